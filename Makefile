@@ -1,0 +1,25 @@
+# Two entry points on a fresh machine: `make demo` (build ResNet-152, serve it, classify) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test clean
+
+setup: $(VENV)/.installed
+
+# --isolated: ignore the machine's pip config, whose find-links hold a CPU-only torch that
+# torchvision cannot load against; the registry's default torch works on CPU and GPU.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --isolated --quiet --upgrade pip
+	$(BIN)/python -m pip install --isolated --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/python -m clients.demo
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) model_repository/*/

@@ -1,0 +1,1 @@
+"""Triton Python-backend models (TritonPythonModel) copied into generated repositories."""

@@ -1,0 +1,1 @@
+"""Export torchvision classifiers into a Triton model repository and serve it."""

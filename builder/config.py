@@ -1,0 +1,146 @@
+"""Typed Triton model configs: small dataclasses validated in one place, serialized via ModelConfig."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+# Shipped batching defaults. A zero queue delay means an idle server runs each request at once
+# (no TorchServe-style batch-delay spike at low load), while a busy one still forms batches from
+# whatever queued during the previous forward pass. bench/results/README.md has the measurements.
+DEFAULT_MAX_BATCH_SIZE = 8
+DEFAULT_MAX_QUEUE_DELAY_US = 0
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class ConfigError(ValueError):
+    """A model config field has a value Triton would reject or we cannot serve."""
+
+
+class InstanceKind(str, Enum):
+    CPU = "KIND_CPU"
+    GPU = "KIND_GPU"
+
+
+class Format(str, Enum):
+    """Each export format and the Triton fields it implies."""
+
+    PYTHON = "python"
+    ONNX = "onnx"
+    TORCHSCRIPT = "torchscript"
+
+    @property
+    def backend(self) -> str:
+        return {"python": "python", "onnx": "", "torchscript": ""}[self.value]
+
+    @property
+    def platform(self) -> str:
+        return {"python": "", "onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch"}[self.value]
+
+    @property
+    def artifact(self) -> str:
+        return {"python": "model.py", "onnx": "model.onnx", "torchscript": "model.pt"}[self.value]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    data_type: str  # a model_config_pb2.DataType name, e.g. "TYPE_FP32"
+    dims: tuple[int, ...]
+    label_filename: str = ""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """`max_batch_size` 0 disables batching; otherwise Triton's dynamic batcher forms batches."""
+
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US
+    preferred_batch_sizes: tuple[int, ...] = ()
+
+    @property
+    def dynamic(self) -> bool:
+        return self.max_batch_size > 0
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    format: Format = Format.PYTHON
+    batching: Batching = field(default_factory=Batching)
+    kind: InstanceKind = InstanceKind.CPU
+    instances: int = 1
+    parameters: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first field that is wrong."""
+        if not _NAME.match(self.name):
+            raise ConfigError(f"`name` {self.name!r} must match {_NAME.pattern}")
+        if not self.inputs or not self.outputs:
+            raise ConfigError("`input` and `output` must each list at least one tensor")
+        for tensor in self.inputs + self.outputs:
+            if tensor.data_type not in mc.DataType.keys():
+                raise ConfigError(f"`data_type` {tensor.data_type!r} of {tensor.name} is not a Triton type")
+            if not tensor.dims or any(d == 0 or d < -1 for d in tensor.dims):
+                raise ConfigError(f"`dims` of {tensor.name} must be positive or -1, got {list(tensor.dims)}")
+        b = self.batching
+        if b.max_batch_size < 0:
+            raise ConfigError(f"`max_batch_size` must be >= 0 (0 disables batching), got {b.max_batch_size}")
+        if b.max_queue_delay_us < 0:
+            raise ConfigError(f"`max_queue_delay_microseconds` must be >= 0, got {b.max_queue_delay_us}")
+        if b.preferred_batch_sizes and not b.dynamic:
+            raise ConfigError("`preferred_batch_size` needs dynamic batching: set `max_batch_size` >= 1")
+        for size in b.preferred_batch_sizes:
+            if not 1 <= size <= b.max_batch_size:
+                raise ConfigError(
+                    f"`preferred_batch_size` {size} must be between 1 and `max_batch_size` {b.max_batch_size}"
+                )
+        if self.instances < 1:
+            raise ConfigError(f"`instance_group.count` must be >= 1, got {self.instances}")
+
+    def to_proto(self) -> mc.ModelConfig:
+        self.validate()
+        config = mc.ModelConfig(
+            name=self.name,
+            backend=self.format.backend,
+            platform=self.format.platform,
+            max_batch_size=self.batching.max_batch_size,
+        )
+        for tensor in self.inputs:
+            config.input.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        for tensor in self.outputs:
+            config.output.add(
+                name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, label_filename=tensor.label_filename
+            )
+        if self.batching.dynamic:
+            config.dynamic_batching.max_queue_delay_microseconds = self.batching.max_queue_delay_us
+            config.dynamic_batching.preferred_batch_size.extend(self.batching.preferred_batch_sizes)
+        config.instance_group.add(kind=self.kind.value, count=self.instances)
+        for key, value in sorted(self.parameters.items()):
+            config.parameters[key].string_value = str(value)
+        return config
+
+
+def to_text(config: mc.ModelConfig) -> str:
+    return text_format.MessageToString(config)
+
+
+def write_config(config: mc.ModelConfig, model_dir: Path) -> Path:
+    path = Path(model_dir) / "config.pbtxt"
+    path.write_text(to_text(config))
+    return path
+
+
+def read_config(path: Path) -> mc.ModelConfig:
+    """Parse a config.pbtxt (or a model directory holding one) into ModelConfig."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.pbtxt"
+    return text_format.Parse(path.read_text(), mc.ModelConfig())

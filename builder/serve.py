@@ -1,0 +1,217 @@
+"""`serve-repo`: run the real tritonserver bundled in the nvidia-pytriton wheel on a model repository."""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """tritonserver could not be started or did not become ready; the message says why."""
+
+
+def pytriton_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("nvidia-pytriton is not installed: `pip install nvidia-pytriton==0.7.0` (see README)")
+    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    if not (root / "bin" / "tritonserver").is_file():
+        raise ServerError(f"no tritonserver binary at {root / 'bin' / 'tritonserver'}")
+    return root
+
+
+def make_backend_dir(root: Path, into: Path) -> Path:
+    """Assemble <into>/python/ from symlinks: the python backend wants its stub beside it."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"nvidia-pytriton ships no python backend stub for Python {version}")
+    python = into / "python"
+    python.mkdir(parents=True)
+    for source in (root / "backends/python/libtriton_python.so",
+                   root / "backends/python/triton_python_backend_utils.py", stub):
+        (python / source.name).symlink_to(source)
+    return into
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class TritonServer:
+    """A tritonserver process: start() blocks until it is ready; stop() ends it and its stubs."""
+
+    def __init__(self, repository, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1",
+                 model_control="none", log_file=None, extra_args=()):
+        self.repository = Path(repository).resolve()
+        self.host = host
+        self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self.model_control = model_control
+        self.extra_args = list(extra_args)
+        self._workdir = Path(tempfile.mkdtemp(prefix="triton-serve-"))
+        self.log_file = Path(log_file) if log_file else self._workdir / "tritonserver.log"
+        self._tail = collections.deque(maxlen=400)
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports['grpc']}"
+
+    def command(self) -> list[str]:
+        root = pytriton_root()
+        backends = make_backend_dir(root, self._workdir / "backends")
+        cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={self.repository}",
+               f"--backend-directory={backends}", f"--model-control-mode={self.model_control}"]
+        for api, port in self.ports.items():
+            cmd += [f"--{api}-port={port}", f"--{api}-address={self.host}"]
+        if self.model_control == "explicit":
+            cmd.append("--load-model=*")
+        return cmd + self.extra_args
+
+    def start(self, timeout: float = 600) -> "TritonServer":
+        if not self.repository.is_dir():
+            raise ServerError(f"model repository {self.repository} does not exist (run build-repo first)")
+        for api, port in self.ports.items():
+            if not port_free(self.host, port):
+                raise ServerError(f"{api} port {port} on {self.host} is busy; choose another with --{api}-port")
+        env = dict(os.environ)
+        # The stub embeds the system libpython; point it at this environment's packages (torch...).
+        paths = [*site.getsitepackages(), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        self._process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                self._pump_thread.join(5)  # so reason() sees Triton's last words
+                raise ServerError(f"tritonserver exited with status {self._process.returncode}: {self.reason()}")
+            if self.ready():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"tritonserver not ready after {timeout:.0f}s: {self.reason()}")
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def reason(self) -> str:
+        """Triton's own words for a failure: its error lines, else the last log lines."""
+        lines = list(self._tail)
+        errors = [line for line in lines if line.startswith("E") or "failed to load" in line or "error:" in line]
+        return " | ".join(errors[-6:] or lines[-5:]) or "no output"
+
+    def stop(self, timeout: float = 30) -> int | None:
+        process, self._process = self._process, None
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)  # Triton's graceful shutdown unloads models, ends stubs
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # anything left in the server's session (a stuck stub) goes too
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()
+        shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+        return process.returncode
+
+    def _pump(self) -> None:
+        process = self._process
+        with open(self.log_file, "a", encoding="utf-8", errors="replace") as log:
+            for raw in process.stdout:
+                line = raw.decode("utf-8", "replace").rstrip()
+                self._tail.append(line)
+                log.write(line + "\n")
+                log.flush()
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="serve-repo", description=__doc__)
+    p.add_argument("--repository", type=Path, default=Path("model_repository"),
+                   help="model repository to serve. Default: model_repository.")
+    p.add_argument("--http-port", type=int, default=8000, help="Default: 8000.")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Default: 8001.")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Default: 8002.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind. Default: 127.0.0.1.")
+    p.add_argument("--model-control", choices=("none", "explicit"), default="none",
+                   help="explicit: load/unload models through the repository API. Default: none.")
+    p.add_argument("--log-file", type=Path, help="tritonserver's log. Default: a temporary file.")
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait until ready. Default: 600.")
+    args = p.parse_args(argv)
+    server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
+                          args.model_control, args.log_file)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start(args.timeout)
+    except ServerError as exc:
+        print(f"serve-repo: error: {exc}", file=sys.stderr)
+        server.stop()
+        return 1
+    print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+          f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
+    while not stop.is_set() and server.running():
+        stop.wait(1.0)
+    died = not stop.is_set()
+    status = server.stop()
+    if died:
+        print(f"serve-repo: error: tritonserver exited ({status}): {server.reason()}", file=sys.stderr)
+        return 1
+    print("tritonserver stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

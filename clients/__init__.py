@@ -1,0 +1,1 @@
+"""tritonclient scripts: classify images, benchmark and tune the batching config."""

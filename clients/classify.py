@@ -1,0 +1,142 @@
+"""Classify image files on a Triton server and print the top-k `label: probability` per image."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+INPUT, OUTPUT = "IMAGE", "LOGITS"
+
+
+class ClientError(RuntimeError):
+    """The server or its model is not what this client expects; the message says how."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def connect(url: str, protocol: str):
+    if protocol == "grpc":
+        import tritonclient.grpc as client
+    else:
+        import tritonclient.http as client
+    return client, client.InferenceServerClient(url)
+
+
+def model_config(triton, model: str) -> dict:
+    """The served config as a dict (the HTTP and gRPC clients return it differently)."""
+    config = triton.get_model_config(model)
+    if isinstance(config, dict):
+        return config.get("config", config)
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(config.config, preserving_proto_field_name=True)
+
+
+def check_model(triton, model: str) -> dict:
+    """Fail with one clear line unless `model` takes IMAGE FP32 [3,H,W] and returns LOGITS."""
+    if not triton.is_server_ready():
+        raise ClientError("server is not ready")
+    if not triton.is_model_ready(model):
+        raise ClientError(f"model {model!r} is not ready on the server")
+    config = model_config(triton, model)
+    inputs = {t["name"]: t for t in config.get("input", [])}
+    outputs = {t["name"]: t for t in config.get("output", [])}
+    image = inputs.get(INPUT)
+    if image is None or OUTPUT not in outputs:
+        raise ClientError(f"model {model!r} has inputs {sorted(inputs)} and outputs {sorted(outputs)}; "
+                          f"expected input {INPUT} and output {OUTPUT}")
+    dims = [int(d) for d in image["dims"]]
+    if image.get("data_type") != "TYPE_FP32" or len(dims) != 3 or dims[0] != 3:
+        raise ClientError(f"{model}.{INPUT} is {image.get('data_type')} {dims}; expected TYPE_FP32 [3, H, W]")
+    return config
+
+
+def preprocess_for(config: dict):
+    """The exact transforms() of the weights the model was built for (recorded by build-repo)."""
+    import torchvision
+
+    name = config.get("parameters", {}).get("preprocess_weights", {}).get("string_value")
+    if not name:
+        raise ClientError(f"model {config.get('name')!r} does not record `preprocess_weights`; "
+                          "was it built by build-repo?")
+    return torchvision.models.get_weight(name).transforms()
+
+
+def load_images(paths: list[Path], transform) -> np.ndarray:
+    from PIL import Image
+
+    batch = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                batch.append(transform(image.convert("RGB")).numpy())
+        except (OSError, ValueError) as exc:
+            raise ClientError(f"cannot read image {path}: {exc}") from exc
+    return np.stack(batch).astype(np.float32)
+
+
+def infer_logits(client, triton, model: str, batch: np.ndarray) -> np.ndarray:
+    image = client.InferInput(INPUT, list(batch.shape), "FP32")
+    image.set_data_from_numpy(batch)
+    result = triton.infer(model, [image], outputs=[client.InferRequestedOutput(OUTPUT)])
+    return result.as_numpy(OUTPUT)
+
+
+def top_k(logits: np.ndarray, labels: list[str], k: int) -> list[list[tuple[str, float]]]:
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs = shifted / shifted.sum(axis=1, keepdims=True)
+    order = np.argsort(-probs, axis=1)[:, :k]
+    return [[(labels[j] if j < len(labels) else str(j), float(p[j])) for j in row] for p, row in zip(probs, order)]
+
+
+def labels_for(config: dict) -> list[str]:
+    """Class names from torchvision's weights meta (the same list build-repo wrote to labels.txt)."""
+    import torchvision
+
+    name = config["parameters"]["preprocess_weights"]["string_value"]
+    return list(torchvision.models.get_weight(name).meta["categories"])
+
+
+def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
+    client, triton = connect(url, protocol)
+    config = check_model(triton, model)
+    batch = load_images(paths, preprocess_for(config))
+    max_batch = int(config.get("max_batch_size", 0))
+    if max_batch == 0:  # unbatched model: one request per image
+        logits = np.stack([infer_logits(client, triton, model, image) for image in batch])
+    else:
+        logits = np.concatenate([infer_logits(client, triton, model, batch[i:i + max_batch])
+                                 for i in range(0, len(batch), max_batch)])
+    return top_k(logits, labels_for(config), k)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python -m clients.classify", description=__doc__)
+    p.add_argument("images", nargs="+", type=Path, help="image files (JPEG, PNG, ...).")
+    p.add_argument("--url", default="127.0.0.1:8000", help="server address. Default: 127.0.0.1:8000 (HTTP).")
+    p.add_argument("--protocol", choices=("http", "grpc"), default="http", help="Default: http.")
+    p.add_argument("--model", default="resnet152", help="model name on the server. Default: resnet152.")
+    p.add_argument("--top-k", type=int, default=5, help="classes to print per image. Default: 5.")
+    args = p.parse_args(argv)
+    try:
+        results = classify(args.images, args.url, args.protocol, args.model, args.top_k)
+    except ClientError as exc:
+        print(f"classify: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # tritonclient's connection and server errors
+        print(f"classify: error: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
+    for path, rows in zip(args.images, results):
+        print(f"{path}:")
+        for label, prob in rows:
+            print(f'    "{label}": {prob:.10f}')
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""config.pbtxt is Triton's own ModelConfig: typed specs validate, serialize and parse back."""
+import pytest
+from tritonclient.grpc import model_config_pb2 as mc
+
+from builder import config as cfg
+
+
+def _spec(**changes) -> cfg.ModelSpec:
+    fields = dict(
+        name="m",
+        inputs=(cfg.Tensor("IMAGE", "TYPE_FP32", (3, 224, 224)),),
+        outputs=(cfg.Tensor("LOGITS", "TYPE_FP32", (1000,), "labels.txt"),),
+        batching=cfg.Batching(8, 2000, (4, 8)),
+        instances=2,
+        parameters={"FORCE_CPU_ONLY_INPUT_TENSORS": "no"},
+    )
+    fields.update(changes)
+    return cfg.ModelSpec(**fields)
+
+
+def test_config_round_trips_through_model_config_when_written_and_parsed(tmp_path):
+    written = _spec().to_proto()
+    cfg.write_config(written, tmp_path)
+    parsed = cfg.read_config(tmp_path / "config.pbtxt")
+    assert parsed == written
+    assert parsed.backend == "python" and parsed.max_batch_size == 8
+    assert parsed.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert list(parsed.dynamic_batching.preferred_batch_size) == [4, 8]
+    assert parsed.input[0].data_type == mc.TYPE_FP32 and list(parsed.input[0].dims) == [3, 224, 224]
+    assert parsed.output[0].label_filename == "labels.txt"
+    assert parsed.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU and parsed.instance_group[0].count == 2
+    assert parsed.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
+
+
+def test_config_has_no_dynamic_batching_when_max_batch_size_is_zero():
+    config = _spec(batching=cfg.Batching(0, 0, ())).to_proto()
+    assert config.max_batch_size == 0
+    assert not config.HasField("dynamic_batching")
+
+
+@pytest.mark.parametrize("platform_format", [cfg.Format.ONNX, cfg.Format.TORCHSCRIPT])
+def test_config_sets_platform_not_backend_when_format_is_native(platform_format):
+    config = _spec(format=platform_format).to_proto()
+    assert config.platform == platform_format.platform and config.backend == ""
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"batching": cfg.Batching(-1, 0, ())}, "`max_batch_size`"),
+        ({"batching": cfg.Batching(8, -5, ())}, "`max_queue_delay_microseconds`"),
+        ({"batching": cfg.Batching(4, 0, (8,))}, "`preferred_batch_size` 8"),
+        ({"batching": cfg.Batching(0, 0, (1,))}, "`preferred_batch_size` needs dynamic batching"),
+        ({"instances": 0}, "`instance_group.count`"),
+        ({"name": "bad name"}, "`name`"),
+        ({"inputs": (cfg.Tensor("IMAGE", "TYPE_FP99", (3,)),)}, "`data_type`"),
+        ({"inputs": (cfg.Tensor("IMAGE", "TYPE_FP32", (3, 0)),)}, "`dims`"),
+    ],
+)
+def test_config_validate_names_the_field_when_a_value_is_invalid(changes, field):
+    with pytest.raises(cfg.ConfigError, match=field.replace("(", r"\(")):
+        _spec(**changes).validate()
