@@ -101,9 +101,12 @@ def _instance_device(args) -> torch.device:
 
 def _load_model(version_dir: Path, params: dict) -> torch.nn.Module:
     name = params["torchvision_model"]
-    state = torch.load(version_dir / params.get("weights_file", "weights.pt"), map_location="cpu", weights_only=True)
+    path = version_dir / params.get("weights_file", "weights.pt")
     model = torchvision.models.get_model(name, weights=None, num_classes=int(params.get("num_classes", 1000)))
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as exc:  # say which file, not just the unpickler's KeyError
+        raise RuntimeError(f"cannot load {name} weights from {path}: {type(exc).__name__}: {exc}") from exc
     return model
 
 

@@ -5,6 +5,7 @@ import argparse
 import collections
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import site
@@ -16,6 +17,12 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+
+# Triton logs: failed to load 'resnet18' version 1: Internal: KeyError: ...\n\nAt: ...
+_LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*)")
+# What a CPU-only machine always logs; never the reason for a failure.
+_HARMLESS = ("CudaDriverHelper", "NVML", "DCGM")
 
 
 class ServerError(RuntimeError):
@@ -132,10 +139,15 @@ class TritonServer:
             return False
 
     def reason(self) -> str:
-        """Triton's own words for a failure: its error lines, else the last log lines."""
+        """Triton's own words for a failure: why each model failed to load, else its error lines."""
         lines = list(self._tail)
-        errors = [line for line in lines if line.startswith("E") or "failed to load" in line or "error:" in line]
-        return " | ".join(errors[-6:] or lines[-5:]) or "no output"
+        failed = [m.group(1) + ": " + m.group(2).split("\\n")[0].strip()
+                  for m in map(_LOAD_FAILURE.search, lines) if m]
+        if failed:
+            return "; ".join(dict.fromkeys(failed))
+        errors = [line for line in lines if (line.startswith("E") or "error" in line.lower())
+                  and not any(noise in line for noise in _HARMLESS)]
+        return " | ".join(errors[-4:] or lines[-5:]) or "no output"
 
     def stop(self, timeout: float = 30) -> int | None:
         process, self._process = self._process, None

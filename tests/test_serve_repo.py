@@ -1,0 +1,77 @@
+"""serve-repo starts the bundled tritonserver, explains failures, and stops everything on a signal."""
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from builder import serve
+from builder.serve import ServerError, TritonServer, free_port
+from conftest import SMALL
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _stubs_for(repository: Path) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", "triton_python_backend_stub"], capture_output=True, text=True)
+    return [line for line in found.stdout.splitlines() if str(repository) in line]
+
+
+def test_serve_repo_stops_server_and_stubs_when_sent_sigterm(repository, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(repository / SMALL, repo / SMALL)
+    ports = [str(free_port()) for _ in range(3)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "builder.serve", "--repository", str(repo), "--http-port", ports[0],
+         "--grpc-port", ports[1], "--metrics-port", ports[2]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        ready = process.stdout.readline()
+        assert f"HTTP 127.0.0.1:{ports[0]}" in ready and f"gRPC 127.0.0.1:{ports[1]}" in ready
+        assert _stubs_for(repo), "a python backend stub should be running"
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0
+    finally:
+        process.kill()
+    assert "stopped" in process.stdout.read()
+    deadline = time.monotonic() + 10
+    while _stubs_for(repo) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _stubs_for(repo)
+
+
+def test_serve_repo_names_busy_port_when_http_port_is_taken(repository, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        status = serve.main(["--repository", str(repository), "--http-port", str(busy),
+                             "--grpc-port", str(free_port()), "--metrics-port", str(free_port())])
+    assert status == 1
+    assert f"http port {busy} on 127.0.0.1 is busy" in capsys.readouterr().err
+
+
+def test_serve_repo_shows_tritons_reason_when_a_model_fails_to_load(repository, tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    shutil.copytree(repository / SMALL, repo / SMALL)
+    (repo / SMALL / "1" / "weights.pt").write_bytes(b"this is not a state_dict")
+    with pytest.raises(ServerError) as failure:
+        TritonServer(repo, free_port(), free_port(), free_port()).start(timeout=300)
+    assert f"resnet18: Internal: RuntimeError: cannot load resnet18 weights from {repo}" in str(failure.value)
+
+
+def test_serve_repo_says_what_is_missing_when_pytriton_is_not_installed(monkeypatch):
+    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ServerError, match="nvidia-pytriton is not installed"):
+        serve.pytriton_root()
+
+
+def test_serve_repo_refuses_when_repository_is_missing(tmp_path):
+    with pytest.raises(ServerError, match="does not exist"):
+        TritonServer(tmp_path / "nowhere", free_port(), free_port(), free_port()).start()
