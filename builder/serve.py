@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import site
 import socket
 import subprocess
 import sys
@@ -110,9 +109,9 @@ class TritonServer:
             if not port_free(self.host, port):
                 raise ServerError(f"{api} port {port} on {self.host} is busy; choose another with --{api}-port")
         env = dict(os.environ)
-        # The stub embeds the system libpython; point it at this environment's packages (torch...).
-        paths = [*site.getsitepackages(), env.get("PYTHONPATH", "")]
-        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        # The stub embeds the system libpython, which finds its prefix through the first `python3`
+        # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision.
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         self._process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
