@@ -78,8 +78,9 @@ class TritonServer:
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         self.model_control = model_control
         self.extra_args = list(extra_args)
-        self._workdir = Path(tempfile.mkdtemp(prefix="triton-serve-"))
-        self.log_file = Path(log_file) if log_file else self._workdir / "tritonserver.log"
+        self._workdir: Path | None = None  # made by start(): backend symlinks and, by default, the log
+        self._own_log = log_file is None
+        self.log_file = Path(log_file) if log_file else None
         self._tail = collections.deque(maxlen=400)
         self._process: subprocess.Popen | None = None
 
@@ -108,6 +109,9 @@ class TritonServer:
         for api, port in self.ports.items():
             if not port_free(self.host, port):
                 raise ServerError(f"{api} port {port} on {self.host} is busy; choose another with --{api}-port")
+        self._workdir = Path(tempfile.mkdtemp(prefix="triton-serve-"))
+        if self._own_log:
+            self.log_file = self._workdir / "tritonserver.log"
         env = dict(os.environ)
         # The stub embeds the system libpython, which finds its prefix through the first `python3`
         # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision.
@@ -163,7 +167,9 @@ class TritonServer:
         except (ProcessLookupError, PermissionError):
             pass
         process.wait()
-        shutil.rmtree(self._workdir / "backends", ignore_errors=True)
+        # Keep our temporary log only when something went wrong.
+        clean = process.returncode == 0 and self._own_log
+        shutil.rmtree(self._workdir if clean else self._workdir / "backends", ignore_errors=True)
         return process.returncode
 
     def _pump(self) -> None:

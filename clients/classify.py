@@ -105,6 +105,9 @@ def labels_for(config: dict) -> list[str]:
 def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
     client, triton = connect(url, protocol)
     config = check_model(triton, model)
+    weights = config.get("parameters", {}).get("weights", {}).get("string_value", "")
+    if weights.startswith("random"):
+        print(f"WARNING: {model} serves {weights} weights: these labels are meaningless.", file=sys.stderr)
     batch = load_images(paths, preprocess_for(config))
     max_batch = int(config.get("max_batch_size", 0))
     if max_batch == 0:  # unbatched model: one request per image

@@ -1,0 +1,225 @@
+"""Benchmark batching configs over a concurrency sweep, served vs the same engine in-process."""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import tritonclient.http as httpclient
+
+from clients import loadgen
+
+# (label, max_batch_size, max_queue_delay_us); "default" is what build-repo ships.
+FULL_CONFIGS = [("unbatched", 0, 0), ("default b8 d0", 8, 0), ("b8 d2ms", 8, 2000), ("b8 d10ms", 8, 10_000),
+                ("b4 d0", 4, 0), ("b16 d0", 16, 0)]
+QUICK_CONFIGS = [("unbatched", 0, 0), ("default b8 d0", 8, 0)]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m clients.bench", description=__doc__)
+    p.add_argument("--url", help="a running server in explicit model-control mode. "
+                                 "Default: build a repository and start serve-repo.")
+    p.add_argument("--model", default=None, help="model to bench. Default: resnet152 (resnet18 with --quick).")
+    p.add_argument("--weights", default="auto", help="weights when building. Default: auto.")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="clients in flight. Default: 1 2 4 8 16 32 (1 4 8 with --quick).")
+    p.add_argument("--seconds", type=float, default=None, help="measurement per point. Default: 20 (4 quick).")
+    p.add_argument("--configs", nargs="+", default=None,
+                   help="configs as LABEL=MAXBATCH:DELAY_US, e.g. 'b8 d2ms=8:2000'. Default: a built-in set.")
+    p.add_argument("--output", type=Path, default=Path("bench/results/latest"),
+                   help="directory (or path prefix) for JSON, CSV and PNGs. Default: bench/results/latest.")
+    p.add_argument("--name", default=None, help="file stem. Default: cpu-MODEL or gpu-MODEL.")
+    p.add_argument("--quick", action="store_true", help="resnet18, 2 configs, 3 concurrencies: < 2 min.")
+    return p
+
+
+def _configs(args) -> list[tuple[str, int, int]]:
+    if not args.configs:
+        return QUICK_CONFIGS if args.quick else FULL_CONFIGS
+    parsed = []
+    for item in args.configs:
+        label, _, spec = item.rpartition("=")
+        size, _, delay = spec.partition(":")
+        parsed.append((label or spec, int(size), int(delay or 0)))
+    return parsed
+
+
+def inprocess_rate(model_dir: Path, batch_sizes: list[int], seconds: float) -> dict[int, float]:
+    """Images/s of the served engine (torchvision eager, channels_last on CPU) with no server."""
+    import torch
+    import torchvision
+
+    from builder.config import read_config
+
+    config = read_config(model_dir)
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    model = torchvision.models.get_model(params["torchvision_model"], weights=None,
+                                         num_classes=int(params.get("num_classes", 1000)))
+    model.load_state_dict(torch.load(model_dir / "1" / params["weights_file"], weights_only=True))
+    model = model.eval().to(memory_format=torch.channels_last)
+    side = int(config.input[0].dims[-1])
+    rates = {}
+    with torch.inference_mode():
+        for batch in sorted(set(batch_sizes)):
+            images = torch.from_numpy(np.stack([loadgen.sample(side, False)] * batch))
+            model(images.to(memory_format=torch.channels_last))  # warm-up: kernel selection
+            done, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds or done < 2:
+                model(images.to(memory_format=torch.channels_last))
+                done += 1
+            rates[batch] = batch * done / (time.perf_counter() - start)
+    return rates
+
+
+def sweep(url: str, model: str, configs, concurrency: list[int], seconds: float, progress) -> list[loadgen.Point]:
+    client = httpclient.InferenceServerClient(url)
+    base = loadgen.served_config(client, model)
+    side = int(base["input"][0]["dims"][-1])
+    points = []
+    try:
+        for label, size, delay in configs:
+            loadgen.load_with(client, model, loadgen.batching_override(base, size, delay))
+            image = loadgen.sample(side, batched=size > 0)
+            for c in concurrency:
+                progress.set_description(f"{label} c={c}")
+                points.append(loadgen.run_load(url, model, c, seconds, image, label=label))
+                progress.update(1)
+    finally:
+        loadgen.load_with(client, model, base)  # leave the server as we found it
+    return points
+
+
+def summarize(points: list[loadgen.Point], rates: dict[int, float], configs) -> dict:
+    by = {(p.config, p.concurrency): p for p in points}
+    default = next((label for label, size, delay in configs if label.startswith("default")), None)
+    batched = default or next(label for label, size, _ in configs if size > 0)
+    summary = {}
+    c8 = by.get((batched, 8))
+    if c8:
+        same_batch = max(1, round(c8.avg_batch))
+        summary["inprocess_batch_c8"] = same_batch
+        summary["served_over_inprocess_c8"] = c8.throughput / rates[same_batch]
+        if ("unbatched", 8) in by:
+            summary["batched_over_unbatched_c8"] = c8.throughput / by[("unbatched", 8)].throughput
+    if ("unbatched", 1) in by and default and (default, 1) in by:
+        summary["p50_c1_default_over_unbatched"] = by[(default, 1)].p50_ms / by[("unbatched", 1)].p50_ms
+    if ("unbatched", 1) in by:
+        summary["served_over_inprocess_c1_unbatched"] = by[("unbatched", 1)].throughput / rates[1]
+    return summary
+
+
+def write_outputs(result: dict, stem: Path) -> list[Path]:
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(result["points"][0]))
+        writer.writeheader()
+        writer.writerows(result["points"])
+    return paths + plot(result, stem)
+
+
+def plot(result: dict, stem: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(p["config"] for p in result["points"]))
+    paths = []
+    for suffix, x_key, y_key, xlabel, ylabel, logx in [
+        ("-throughput.png", "concurrency", "throughput", "concurrent clients", "images / s", True),
+        ("-latency.png", "throughput", "p99_ms", "images / s", "p99 latency (ms)", False),
+    ]:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for config in configs:
+            rows = [p for p in result["points"] if p["config"] == config]
+            ax.plot([r[x_key] for r in rows], [r[y_key] for r in rows], marker="o", label=config)
+        if suffix == "-throughput.png":
+            for batch, rate in result["inprocess_images_per_s"].items():
+                ax.axhline(rate, linestyle=":", color="grey", linewidth=1)
+                ax.annotate(f"in-process b={batch}", (1, rate), fontsize=7, color="grey")
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{result['model']} on {result['machine']['device']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = Path(str(stem) + suffix)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def machine() -> dict:
+    import torch
+    import tritonclient
+
+    return {"device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
+            "cpus": __import__("os").cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "tritonclient": getattr(tritonclient, "__version__", "?"), "platform": platform.platform()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tqdm import tqdm
+
+    from builder import cli as build_repo
+    from builder.serve import ServerError, TritonServer, free_port
+
+    args = parser().parse_args(argv)
+    model = args.model or ("resnet18" if args.quick else "resnet152")
+    concurrency = args.concurrency or ([1, 4, 8] if args.quick else [1, 2, 4, 8, 16, 32])
+    seconds = args.seconds or (4.0 if args.quick else 20.0)
+    configs = _configs(args)
+    stem = args.output / (args.name or f"{'cpu' if machine()['device'] == 'cpu' else 'gpu'}-{model}")
+    server, workdir = None, Path(tempfile.mkdtemp(prefix="bench-"))
+    try:
+        repo = workdir / "repo"
+        if args.url:
+            url = args.url
+        else:
+            if build_repo.main(["--model", model, "--weights", args.weights, "--output", str(repo)]):
+                return 1
+            server = TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit").start()
+            url = server.http_url
+        with tqdm(total=len(configs) * len(concurrency), unit="point", file=sys.stderr) as progress:
+            points = sweep(url, model, configs, concurrency, seconds, progress)
+        if server is not None:
+            server.stop()  # the in-process engine gets the whole machine, as the server did
+            server = None
+        batches = sorted({1} | {max(1, round(p.avg_batch)) for p in points if p.avg_batch == p.avg_batch})
+        rates = inprocess_rate(repo / model, batches, seconds / 2) if (repo / model).exists() else {}
+    except (ServerError, RuntimeError) as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            server.stop()
+    result = {"model": model, "seconds_per_point": seconds, "configs": [list(c) for c in configs],
+              "machine": machine(), "command": " ".join(["python -m clients.bench", *(argv or sys.argv[1:])]),
+              **(summarize(points, rates, configs) if rates else {}),
+              "inprocess_images_per_s": {str(k): v for k, v in rates.items()},
+              "points": [p.as_dict() for p in points]}
+    for path in write_outputs(result, stem):
+        print(f"wrote {path}")
+    for key in ("served_over_inprocess_c8", "batched_over_unbatched_c8", "p50_c1_default_over_unbatched"):
+        if key in result:
+            print(f"{key} = {result[key]:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
