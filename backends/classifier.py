@@ -7,10 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import torchvision
 from torch.utils.dlpack import to_dlpack
-import triton_python_backend_utils as pb_utils
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # imported outside Triton, e.g. by clients.bench to run the very same engine in-process
+    pb_utils = None
 
 INPUT = "IMAGE"
 OUTPUT = "LOGITS"
@@ -28,12 +32,15 @@ class TritonPythonModel:
         threads = int(params.get("num_threads", "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
-        self.model = _load_model(Path(args["model_repository"]) / args["model_version"], params)
-        self.model = self.model.to(self.device, memory_format=self.memory_format).eval()
+        self.engine_name = params.get("engine", "torch")
+        if self.engine_name == "onnxruntime":  # ORT wants plain NCHW and picks its own layouts
+            self.memory_format = torch.contiguous_format
+        self.model = _load_engine(Path(args["model_repository"]) / args["model_version"], params,
+                                  self.device, self.memory_format, threads)
         # Warm up so the first real request does not pay for kernel selection.
         self._forward(torch.zeros((1, *self.sample_shape), device=self.device))
         pb_utils.Logger.log_info(
-            f"{args['model_name']}: {params.get('torchvision_model')} on {self.device}, "
+            f"{args['model_name']}: {params.get('torchvision_model')} ({self.engine_name}) on {self.device}, "
             f"{torch.get_num_threads()} threads, batched={self.batched}"
         )
 
@@ -45,7 +52,7 @@ class TritonPythonModel:
                 images.append(self._input(request))
                 owners.append(index)
             except ValueError as exc:
-                responses[index] = _error(str(exc))
+                responses[index] = _error(str(exc), invalid=True)
         if images:
             for index, response in zip(owners, self._infer(images)):
                 responses[index] = response
@@ -99,15 +106,54 @@ def _instance_device(args) -> torch.device:
     return torch.device("cpu")
 
 
-def _load_model(version_dir: Path, params: dict) -> torch.nn.Module:
-    name = params["torchvision_model"]
-    path = version_dir / params.get("weights_file", "weights.pt")
-    model = torchvision.models.get_model(name, weights=None, num_classes=int(params.get("num_classes", 1000)))
-    try:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    except Exception as exc:  # say which file, not just the unpickler's KeyError
-        raise RuntimeError(f"cannot load {name} weights from {path}: {type(exc).__name__}: {exc}") from exc
-    return model
+def _load_engine(version_dir: Path, params: dict, device: torch.device, memory_format, threads: int):
+    """A callable batch -> logits for the configured engine: torch, torchscript or onnxruntime."""
+    engine = params.get("engine", "torch")
+    if engine == "torch":
+        name = params["torchvision_model"]
+        path = version_dir / params.get("weights_file", "weights.pt")
+        model = torchvision.models.get_model(name, weights=None, num_classes=int(params.get("num_classes", 1000)))
+        try:
+            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as exc:  # say which file, not just the unpickler's KeyError
+            raise RuntimeError(f"cannot load {name} weights from {path}: {type(exc).__name__}: {exc}") from exc
+        return model.to(device, memory_format=memory_format).eval()
+    if engine == "torchscript":
+        return torch.jit.load(str(version_dir / "model.pt"), map_location=device).eval()
+    if engine == "onnxruntime":
+        return _OnnxRuntime(version_dir / "model.onnx", device, threads)
+    raise RuntimeError(f"unknown engine {engine!r}: choose torch, torchscript or onnxruntime")
+
+
+class _OnnxRuntime:
+    """onnxruntime behind the same call as a torch module; on GPU it reads and writes torch memory."""
+
+    def __init__(self, path: Path, device: torch.device, threads: int):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        if device.type == "cuda":
+            providers = [("CUDAExecutionProvider", {"device_id": device.index or 0})]
+        else:
+            providers = ["CPUExecutionProvider"]
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.device = device
+        self.classes = self.session.get_outputs()[0].shape[-1]
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.contiguous()
+        if self.device.type != "cuda":
+            return torch.from_numpy(self.session.run([OUTPUT], {INPUT: batch.numpy()})[0])
+        # IO binding over raw device pointers: the batch never leaves the GPU.
+        logits = torch.empty((batch.shape[0], self.classes), device=self.device, dtype=torch.float32)
+        binding = self.session.io_binding()
+        binding.bind_input(INPUT, "cuda", self.device.index or 0, np.float32, list(batch.shape), batch.data_ptr())
+        binding.bind_output(OUTPUT, "cuda", self.device.index or 0, np.float32, list(logits.shape),
+                            logits.data_ptr())
+        torch.cuda.current_stream(self.device).synchronize()  # the batch is complete before ORT reads it
+        self.session.run_with_iobinding(binding)
+        return logits
 
 
 def _response(logits: torch.Tensor):
@@ -115,5 +161,7 @@ def _response(logits: torch.Tensor):
     return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(OUTPUT, to_dlpack(logits.contiguous()))])
 
 
-def _error(message: str):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+def _error(message: str, invalid: bool = False):
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid else None
+    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)

@@ -2,19 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from builder import config as cfg
-from builder.weights import WEIGHT_CHOICES, WeightsError, classification_models, crop_size, load_classifier
+from builder.repository import ENGINES, BuildError, Options, build, check_free
+from builder.weights import WEIGHT_CHOICES, WeightsError, classification_models, load_classifier
 
-BACKENDS = Path(__file__).resolve().parent.parent / "backends"
-
-
-class BuildError(RuntimeError):
-    """The build cannot go on; the message is one line for the user."""
+FORMATS = ("python", "onnx", "torchscript")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,8 +64,25 @@ def parser() -> argparse.ArgumentParser:
                    help="instance kind; auto: gpu if torch sees CUDA here, else cpu. Default: auto.")
     p.add_argument("--num-threads", type=_non_negative, default=0,
                    help="torch threads per CPU instance; 0 keeps torch's default. Default: 0.")
+    p.add_argument("--formats", type=_formats, default=("python",),
+                   help="comma list of python,onnx,torchscript: onnx/torchscript add NAME_onnx and "
+                        "NAME_torchscript for the NGC container's native backends. Default: python.")
+    p.add_argument("--engine", choices=("auto", *ENGINES), default="auto",
+                   help="what the python backend runs; auto: onnxruntime on CPU (fastest here, see README), "
+                        "torch on GPU. Default: auto.")
+    p.add_argument("--verify", action="store_true",
+                   help="run every export in-process against eager torch; fail above 1e-4. Default: off.")
     p.add_argument("--force", action="store_true", help="replace existing model directories. Default: off.")
     return p
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    unknown = [f for f in chosen if f not in FORMATS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown format(s) {', '.join(unknown) or text!r}; "
+                                         f"choose from {','.join(FORMATS)}")
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,80 +95,23 @@ def main(argv: list[str] | None = None) -> int:
             raise cfg.ConfigError(f"--weights {args.weights!r} is neither one of {', '.join(WEIGHT_CHOICES)} "
                                   "nor an existing state_dict file")
         batching = cfg.Batching(args.max_batch_size, args.max_queue_delay_us, tuple(args.preferred_batch_size))
-        cfg.ModelSpec(args.model, (_image(224),), (_logits(1000),), batching=batching).validate()
+        probe = cfg.Tensor("IMAGE", "TYPE_FP32", (3, 224, 224))
+        cfg.ModelSpec(args.model, (probe,), (probe,), batching=batching, instances=args.instances).validate()
     except cfg.ConfigError as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 2
     try:
-        for path in build(args, batching):
+        kind = _instance_kind(args.kind)
+        engine = args.engine if args.engine != "auto" else ("torch" if kind == cfg.InstanceKind.GPU else "onnxruntime")
+        options = Options(batching, kind, args.instances, args.num_threads, engine, args.formats, args.verify)
+        check_free(args.output, args.model, args.formats, args.force)  # before the slow part
+        classifier = load_classifier(args.model, args.weights, args.seed)
+        for path in build(classifier, args.output, options, force=args.force):
             print(f"wrote {path}")
     except (BuildError, WeightsError, cfg.ConfigError) as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def build(args: argparse.Namespace, batching: cfg.Batching) -> list[Path]:
-    """Write every model directory into a temporary folder, then move them into place."""
-    output: Path = args.output
-    names = [args.model]
-    existing = [output / name for name in names if (output / name).exists()]
-    if existing and not args.force:
-        raise BuildError(f"{existing[0]} already exists; pass --force to replace it")
-    classifier = load_classifier(args.model, args.weights, args.seed)
-    kind = _instance_kind(args.kind)
-    output.mkdir(parents=True, exist_ok=True)
-    # The staging folder sits beside the repository (same filesystem: rename is atomic) but not
-    # inside it, so a server watching the repository never sees a half-written model.
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.resolve().name}-build-", dir=output.resolve().parent))
-    try:
-        _write_classifier(staging / args.model, classifier, batching, kind, args)
-        return [_swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_classifier(model_dir: Path, classifier, batching, kind, args) -> None:
-    import torch
-
-    version = model_dir / "1"
-    version.mkdir(parents=True)
-    side = crop_size(classifier.preprocess)
-    spec = cfg.ModelSpec(
-        name=classifier.name,
-        inputs=(_image(side),),
-        outputs=(_logits(len(classifier.categories), "labels.txt"),),
-        format=cfg.Format.PYTHON,
-        batching=batching,
-        kind=kind,
-        instances=args.instances,
-        parameters={
-            # Inputs stay where they arrive (GPU memory on a GPU instance): DLPack, no copy.
-            "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
-            "torchvision_model": classifier.name,
-            "weights": classifier.weights,
-            "weights_file": "weights.pt",
-            "num_classes": str(len(classifier.categories)),
-            "num_threads": str(args.num_threads),
-            # Clients and the preprocess model rebuild the exact transforms() from this.
-            "preprocess_weights": str(classifier.preprocess),
-        },
-    )
-    config = spec.to_proto()
-    torch.save(classifier.module.state_dict(), version / "weights.pt")
-    shutil.copyfile(BACKENDS / "classifier.py", version / "model.py")
-    (model_dir / "labels.txt").write_text("\n".join(classifier.categories) + "\n")
-    cfg.write_config(config, model_dir)
-
-
-def _swap_in(built: Path, target: Path) -> Path:
-    if target.exists():
-        retired = built.with_name(built.name + ".old")
-        target.rename(retired)  # kept until the new one is in place, so a failure loses nothing
-        built.rename(target)
-    else:
-        built.rename(target)
-    return target
 
 
 def _instance_kind(kind: str) -> cfg.InstanceKind:
@@ -165,14 +120,6 @@ def _instance_kind(kind: str) -> cfg.InstanceKind:
 
         kind = "gpu" if torch.cuda.is_available() else "cpu"
     return cfg.InstanceKind.GPU if kind == "gpu" else cfg.InstanceKind.CPU
-
-
-def _image(side: int) -> cfg.Tensor:
-    return cfg.Tensor("IMAGE", "TYPE_FP32", (3, side, side))
-
-
-def _logits(classes: int, labels: str = "") -> cfg.Tensor:
-    return cfg.Tensor("LOGITS", "TYPE_FP32", (classes,), label_filename=labels)
 
 
 if __name__ == "__main__":

@@ -33,18 +33,28 @@ class Format(str, Enum):
     PYTHON = "python"
     ONNX = "onnx"
     TORCHSCRIPT = "torchscript"
+    ENSEMBLE = "ensemble"
 
     @property
     def backend(self) -> str:
-        return {"python": "python", "onnx": "", "torchscript": ""}[self.value]
+        return _FORMATS[self][0]
 
     @property
     def platform(self) -> str:
-        return {"python": "", "onnx": "onnxruntime_onnx", "torchscript": "pytorch_libtorch"}[self.value]
+        return _FORMATS[self][1]
 
     @property
     def artifact(self) -> str:
-        return {"python": "model.py", "onnx": "model.onnx", "torchscript": "model.pt"}[self.value]
+        return _FORMATS[self][2]
+
+
+# format -> (backend, platform, artifact in the version directory)
+_FORMATS = {
+    Format.PYTHON: ("python", "", "model.py"),
+    Format.ONNX: ("", "onnxruntime_onnx", "model.onnx"),
+    Format.TORCHSCRIPT: ("", "pytorch_libtorch", "model.pt"),
+    Format.ENSEMBLE: ("", "ensemble", ""),
+}
 
 
 @dataclass(frozen=True)
@@ -69,6 +79,15 @@ class Batching:
 
 
 @dataclass(frozen=True)
+class Step:
+    """One ensemble step: tensor maps are {step model's tensor name: ensemble tensor name}."""
+
+    model_name: str
+    input_map: dict[str, str]
+    output_map: dict[str, str]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     inputs: tuple[Tensor, ...]
@@ -78,6 +97,7 @@ class ModelSpec:
     kind: InstanceKind = InstanceKind.CPU
     instances: int = 1
     parameters: dict[str, str] = field(default_factory=dict)
+    steps: tuple[Step, ...] = ()
 
     def validate(self) -> None:
         """Raise ConfigError naming the first field that is wrong."""
@@ -102,6 +122,8 @@ class ModelSpec:
                 raise ConfigError(
                     f"`preferred_batch_size` {size} must be between 1 and `max_batch_size` {b.max_batch_size}"
                 )
+        if (self.format == Format.ENSEMBLE) != bool(self.steps):
+            raise ConfigError("`ensemble_scheduling` steps are needed exactly when the platform is ensemble")
         if self.instances < 1:
             raise ConfigError(f"`instance_group.count` must be >= 1, got {self.instances}")
 
@@ -122,7 +144,12 @@ class ModelSpec:
         if self.batching.dynamic:
             config.dynamic_batching.max_queue_delay_microseconds = self.batching.max_queue_delay_us
             config.dynamic_batching.preferred_batch_size.extend(self.batching.preferred_batch_sizes)
-        config.instance_group.add(kind=self.kind.value, count=self.instances)
+        if self.format == Format.ENSEMBLE:  # ensembles run no instances of their own
+            for step in self.steps:
+                config.ensemble_scheduling.step.add(model_name=step.model_name, model_version=-1,
+                                                    input_map=step.input_map, output_map=step.output_map)
+        else:
+            config.instance_group.add(kind=self.kind.value, count=self.instances)
         for key, value in sorted(self.parameters.items()):
             config.parameters[key].string_value = str(value)
         return config

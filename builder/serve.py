@@ -7,6 +7,7 @@ import importlib.util
 import os
 import re
 import shutil
+import secrets
 import signal
 import socket
 import subprocess
@@ -52,6 +53,26 @@ def make_backend_dir(root: Path, into: Path) -> Path:
     return into
 
 
+def servable_models(repository: Path) -> tuple[list[str], dict[str, str]]:
+    """Models the bundled server can load (python backend, ensembles), and why the others cannot."""
+    from builder.config import read_config
+
+    loadable, skipped = [], {}
+    for config_path in sorted(Path(repository).glob("*/config.pbtxt")):
+        name = config_path.parent.name
+        try:
+            config = read_config(config_path)
+        except Exception as exc:  # let Triton itself report a config it cannot parse
+            loadable.append(name)
+            continue
+        if config.backend == "python" or config.platform == "ensemble":
+            loadable.append(name)
+        else:
+            skipped[name] = (f"{config.platform or config.backend} needs NVIDIA's Triton container "
+                             "(docker/); the nvidia-pytriton server has only the python backend")
+    return loadable, skipped
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -83,6 +104,7 @@ class TritonServer:
         self.log_file = Path(log_file) if log_file else None
         self._tail = collections.deque(maxlen=400)
         self._process: subprocess.Popen | None = None
+        self.skipped: dict[str, str] = {}
 
     @property
     def http_url(self) -> str:
@@ -95,13 +117,18 @@ class TritonServer:
     def command(self) -> list[str]:
         root = pytriton_root()
         backends = make_backend_dir(root, self._workdir / "backends")
+        # Always explicit, loading what this server can run: the wheel has only the python backend,
+        # so NAME_onnx / NAME_torchscript (for NVIDIA's container) would otherwise fail the start.
         cmd = [str(root / "bin" / "tritonserver"), f"--model-repository={self.repository}",
-               f"--backend-directory={backends}", f"--model-control-mode={self.model_control}"]
+               f"--backend-directory={backends}", "--model-control-mode=explicit"]
         for api, port in self.ports.items():
             cmd += [f"--{api}-port={port}", f"--{api}-address={self.host}"]
-        if self.model_control == "explicit":
-            cmd.append("--load-model=*")
-        return cmd + self.extra_args
+        if self.model_control == "none":  # Triton's "none": no live (re)loading through the API
+            key = secrets.token_hex(16)
+            cmd += [f"--http-restricted-api=model-repository:triton-admin-key={key}",
+                    f"--grpc-restricted-protocol=model-repository:triton-admin-key={key}"]
+        loadable, self.skipped = servable_models(self.repository)
+        return cmd + [f"--load-model={name}" for name in loadable] + self.extra_args
 
     def start(self, timeout: float = 600) -> "TritonServer":
         if not self.repository.is_dir():
@@ -202,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-port", type=int, default=8002, help="Default: 8002.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind. Default: 127.0.0.1.")
     p.add_argument("--model-control", choices=("none", "explicit"), default="none",
-                   help="explicit: load/unload models through the repository API. Default: none.")
+                   help="explicit: models may be (re)loaded live through the repository API (clients.tune "
+                        "uses it). The server always runs in Triton's explicit mode so that it can skip "
+                        "models it has no backend for. Default: none.")
     p.add_argument("--log-file", type=Path, help="tritonserver's log. Default: a temporary file.")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait until ready. Default: 600.")
     args = p.parse_args(argv)
@@ -217,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve-repo: error: {exc}", file=sys.stderr)
         server.stop()
         return 1
+    for name, why in server.skipped.items():
+        print(f"skipped {name}: {why}", flush=True)
     print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
           f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
     while not stop.is_set() and server.running():

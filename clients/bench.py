@@ -32,6 +32,11 @@ def parser() -> argparse.ArgumentParser:
                                  "Default: build a repository and start serve-repo.")
     p.add_argument("--model", default=None, help="model to bench. Default: resnet152 (resnet18 with --quick).")
     p.add_argument("--weights", default="auto", help="weights when building. Default: auto.")
+    p.add_argument("--repository", type=Path, default=None,
+                   help="with --url: the served repository, to run the same engine in-process. "
+                        "Default: a temporary one the bench builds.")
+    p.add_argument("--engines", nargs="+", choices=("torch", "torchscript", "onnxruntime"), default=None,
+                   help="backend engines to compare on one server. Default: the one build-repo picks.")
     p.add_argument("--concurrency", type=int, nargs="+", default=None,
                    help="clients in flight. Default: 1 2 4 8 16 32 (1 4 8 with --quick).")
     p.add_argument("--seconds", type=float, default=None, help="measurement per point. Default: 20 (4 quick).")
@@ -55,67 +60,101 @@ def _configs(args) -> list[tuple[str, int, int]]:
     return parsed
 
 
-def inprocess_rate(model_dir: Path, batch_sizes: list[int], seconds: float) -> dict[int, float]:
-    """Images/s of the served engine (torchvision eager, channels_last on CPU) with no server."""
+def inprocess_rate(model_dir: Path, engine: str, batch_sizes: list[int], seconds: float) -> dict[int, float]:
+    """Images/s of the very engine the backend builds (backends/classifier.py), with no server."""
     import torch
-    import torchvision
 
+    from backends.classifier import _load_engine
     from builder.config import read_config
 
     config = read_config(model_dir)
     params = {k: v.string_value for k, v in config.parameters.items()}
-    model = torchvision.models.get_model(params["torchvision_model"], weights=None,
-                                         num_classes=int(params.get("num_classes", 1000)))
-    model.load_state_dict(torch.load(model_dir / "1" / params["weights_file"], weights_only=True))
-    model = model.eval().to(memory_format=torch.channels_last)
+    params["engine"] = engine
+    memory_format = torch.contiguous_format if engine == "onnxruntime" else torch.channels_last
+    run = _load_engine(model_dir / "1", params, torch.device("cpu"), memory_format, 0)
     side = int(config.input[0].dims[-1])
     rates = {}
     with torch.inference_mode():
         for batch in sorted(set(batch_sizes)):
             images = torch.from_numpy(np.stack([loadgen.sample(side, False)] * batch))
-            model(images.to(memory_format=torch.channels_last))  # warm-up: kernel selection
+            run(images.to(memory_format=memory_format))  # warm-up: kernel selection
             done, start = 0, time.perf_counter()
             while time.perf_counter() - start < seconds or done < 2:
-                model(images.to(memory_format=torch.channels_last))
+                run(images.to(memory_format=memory_format))  # the backend converts each batch too
                 done += 1
             rates[batch] = batch * done / (time.perf_counter() - start)
     return rates
 
 
-def sweep(url: str, model: str, configs, concurrency: list[int], seconds: float, progress) -> list[loadgen.Point]:
+def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:
+    """Put every engine's artifact in the bench repository so one server can switch engines live."""
+    import torch
+
+    from backends.classifier import _load_engine
+    from builder import export
+    from builder.config import read_config
+
+    params = {k: v.string_value for k, v in read_config(model_dir).parameters.items()}
+    module = _load_engine(model_dir / "1", {**params, "engine": "torch"}, torch.device("cpu"),
+                          torch.contiguous_format, 0)
+    side = int(read_config(model_dir).input[0].dims[-1])
+    if "onnxruntime" in engines and not (model_dir / "1" / "model.onnx").exists():
+        export.export_onnx(module, model_dir / "1" / "model.onnx", side)
+    if "torchscript" in engines and not (model_dir / "1" / "model.pt").exists():
+        export.export_torchscript(module, model_dir / "1" / "model.pt", side)
+
+
+def sweep(url: str, model: str, engines: list[str], configs, concurrency: list[int], seconds: float,
+          progress) -> list[loadgen.Point]:
     client = httpclient.InferenceServerClient(url)
     base = loadgen.served_config(client, model)
     side = int(base["input"][0]["dims"][-1])
     points = []
     try:
-        for label, size, delay in configs:
-            loadgen.load_with(client, model, loadgen.batching_override(base, size, delay))
-            image = loadgen.sample(side, batched=size > 0)
-            for c in concurrency:
-                progress.set_description(f"{label} c={c}")
-                points.append(loadgen.run_load(url, model, c, seconds, image, label=label))
-                progress.update(1)
+        for engine in engines:
+            for label, size, delay in configs:
+                config = loadgen.batching_override(base, size, delay)
+                config.setdefault("parameters", {})["engine"] = {"string_value": engine}
+                loadgen.load_with(client, model, config)
+                image = loadgen.sample(side, batched=size > 0)
+                name = label if len(engines) == 1 else f"{engine} {label}"
+                for c in concurrency:
+                    progress.set_description(f"{name} c={c}")
+                    point = loadgen.run_load(url, model, c, seconds, image, label=name)
+                    point.engine = engine
+                    points.append(point)
+                    progress.update(1)
     finally:
         loadgen.load_with(client, model, base)  # leave the server as we found it
     return points
 
 
-def summarize(points: list[loadgen.Point], rates: dict[int, float], configs) -> dict:
-    by = {(p.config, p.concurrency): p for p in points}
-    default = next((label for label, size, delay in configs if label.startswith("default")), None)
+def summarize(points: list[loadgen.Point], rates: dict[str, dict[int, float]], configs,
+              engines: list[str]) -> dict:
+    """The headline ratios, each from numbers measured in this one run."""
+    single = len(engines) == 1
+    default = next((label for label, size, _ in configs if label.startswith("default")), None)
     batched = default or next(label for label, size, _ in configs if size > 0)
-    summary = {}
-    c8 = by.get((batched, 8))
-    if c8:
-        same_batch = max(1, round(c8.avg_batch))
-        summary["inprocess_batch_c8"] = same_batch
-        summary["served_over_inprocess_c8"] = c8.throughput / rates[same_batch]
-        if ("unbatched", 8) in by:
-            summary["batched_over_unbatched_c8"] = c8.throughput / by[("unbatched", 8)].throughput
-    if ("unbatched", 1) in by and default and (default, 1) in by:
-        summary["p50_c1_default_over_unbatched"] = by[(default, 1)].p50_ms / by[("unbatched", 1)].p50_ms
-    if ("unbatched", 1) in by:
-        summary["served_over_inprocess_c1_unbatched"] = by[("unbatched", 1)].throughput / rates[1]
+    summary, per_engine = {}, {}
+    for engine in engines:
+        name = (lambda label: label) if single else (lambda label, e=engine: f"{e} {label}")
+        by = {(p.config, p.concurrency): p for p in points if p.engine == engine}
+        ratios = {}
+        c8, one = by.get((name(batched), 8)), by.get((name("unbatched"), 1))
+        if c8 and engine in rates:
+            same_batch = max(1, round(c8.avg_batch))
+            ratios["inprocess_batch_c8"] = same_batch
+            ratios["served_over_inprocess_c8"] = c8.throughput / rates[engine][same_batch]
+            if (name("unbatched"), 8) in by:
+                ratios["batched_over_unbatched_c8"] = c8.throughput / by[(name("unbatched"), 8)].throughput
+        if one and default and (name(default), 1) in by:
+            ratios["p50_c1_default_over_unbatched"] = by[(name(default), 1)].p50_ms / one.p50_ms
+        if one and engine in rates:
+            ratios["served_over_inprocess_c1_unbatched"] = one.throughput / rates[engine][1]
+        per_engine[engine] = ratios
+    summary.update(per_engine[engines[0]])  # the headline is the first (shipped) engine's
+    if not single:
+        summary["per_engine"] = per_engine
     return summary
 
 
@@ -147,9 +186,10 @@ def plot(result: dict, stem: Path) -> list[Path]:
             rows = [p for p in result["points"] if p["config"] == config]
             ax.plot([r[x_key] for r in rows], [r[y_key] for r in rows], marker="o", label=config)
         if suffix == "-throughput.png":
-            for batch, rate in result["inprocess_images_per_s"].items():
-                ax.axhline(rate, linestyle=":", color="grey", linewidth=1)
-                ax.annotate(f"in-process b={batch}", (1, rate), fontsize=7, color="grey")
+            for engine, by_batch in result["inprocess_images_per_s"].items():
+                for batch, rate in by_batch.items():
+                    ax.axhline(rate, linestyle=":", color="grey", linewidth=1)
+                    ax.annotate(f"in-process {engine} b={batch}", (1, rate), fontsize=7, color="grey")
             ax.set_xscale("log", base=2)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
@@ -185,33 +225,42 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (4.0 if args.quick else 20.0)
     configs = _configs(args)
     stem = args.output / (args.name or f"{'cpu' if machine()['device'] == 'cpu' else 'gpu'}-{model}")
-    server, workdir = None, Path(tempfile.mkdtemp(prefix="bench-"))
+    server = None
+    repo = args.repository or Path(tempfile.mkdtemp(prefix="bench-")) / "repo"
     try:
-        repo = workdir / "repo"
         if args.url:
             url = args.url
         else:
-            if build_repo.main(["--model", model, "--weights", args.weights, "--output", str(repo)]):
+            build = ["--model", model, "--weights", args.weights, "--output", str(repo), "--force"]
+            if build_repo.main(build + (["--engine", args.engines[0]] if args.engines else [])):
                 return 1
-            server = TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit").start()
-            url = server.http_url
-        with tqdm(total=len(configs) * len(concurrency), unit="point", file=sys.stderr) as progress:
-            points = sweep(url, model, configs, concurrency, seconds, progress)
+            server = TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit")
+        model_dir = repo / model
+        engines = args.engines or [_served_engine(model_dir)]
+        if server is not None:
+            add_engine_artifacts(model_dir, engines)
+            url = server.start().http_url
+        with tqdm(total=len(engines) * len(configs) * len(concurrency), unit="point", file=sys.stderr) as bar:
+            points = sweep(url, model, engines, configs, concurrency, seconds, bar)
         if server is not None:
             server.stop()  # the in-process engine gets the whole machine, as the server did
             server = None
-        batches = sorted({1} | {max(1, round(p.avg_batch)) for p in points if p.avg_batch == p.avg_batch})
-        rates = inprocess_rate(repo / model, batches, seconds / 2) if (repo / model).exists() else {}
-    except (ServerError, RuntimeError) as exc:
+        rates = {}
+        if model_dir.exists():
+            for engine in engines:
+                formed = {max(1, round(p.avg_batch)) for p in points if p.engine == engine and p.avg_batch > 0}
+                rates[engine] = inprocess_rate(model_dir, engine, sorted({1} | formed), max(2.0, seconds / 2))
+    except (ServerError, RuntimeError, OSError) as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 1
     finally:
         if server is not None:
             server.stop()
-    result = {"model": model, "seconds_per_point": seconds, "configs": [list(c) for c in configs],
-              "machine": machine(), "command": " ".join(["python -m clients.bench", *(argv or sys.argv[1:])]),
-              **(summarize(points, rates, configs) if rates else {}),
-              "inprocess_images_per_s": {str(k): v for k, v in rates.items()},
+    result = {"model": model, "engines": engines, "seconds_per_point": seconds,
+              "configs": [list(c) for c in configs], "machine": machine(),
+              "command": " ".join(["python -m clients.bench", *(argv if argv is not None else sys.argv[1:])]),
+              **(summarize(points, rates, configs, engines) if rates else {}),
+              "inprocess_images_per_s": {e: {str(b): r for b, r in by.items()} for e, by in rates.items()},
               "points": [p.as_dict() for p in points]}
     for path in write_outputs(result, stem):
         print(f"wrote {path}")
@@ -219,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         if key in result:
             print(f"{key} = {result[key]:.3f}")
     return 0
+
+
+def _served_engine(model_dir: Path) -> str:
+    from builder.config import read_config
+
+    parameters = read_config(model_dir).parameters
+    return parameters["engine"].string_value if "engine" in parameters else "torch"
 
 
 if __name__ == "__main__":

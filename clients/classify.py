@@ -118,6 +118,35 @@ def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> 
     return top_k(logits, labels_for(config), k)
 
 
+def parse_classes(row) -> list[tuple[str, float]]:
+    """Triton's classification extension answers "score:index:label" per class."""
+    parsed = []
+    for item in row:
+        score, index, *label = (item.decode() if isinstance(item, bytes) else str(item)).split(":", 2)
+        parsed.append((label[0] if label else index, float(score)))
+    return parsed
+
+
+def classify_raw(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
+    """Send the files' bytes to the NAME_image ensemble; the server decodes, batches and ranks."""
+    client, triton = connect(url, protocol)
+    name = model if model.endswith("_image") else f"{model}_image"
+    if not triton.is_model_ready(name):
+        raise ClientError(f"model {name!r} is not ready on the server (build-repo writes it beside {model!r})")
+    max_batch = max(1, int(model_config(triton, name).get("max_batch_size", 0)))
+    results = []
+    for start in range(0, len(paths), max_batch):
+        try:
+            blobs = np.array([[p.read_bytes()] for p in paths[start:start + max_batch]], dtype=object)
+        except OSError as exc:
+            raise ClientError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+        tensor = client.InferInput("IMAGE_BYTES", list(blobs.shape), "BYTES")
+        tensor.set_data_from_numpy(blobs)
+        reply = triton.infer(name, [tensor], outputs=[client.InferRequestedOutput(OUTPUT, class_count=k)])
+        results += [parse_classes(row) for row in reply.as_numpy(OUTPUT)]
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m clients.classify", description=__doc__)
     p.add_argument("images", nargs="+", type=Path, help="image files (JPEG, PNG, ...).")
@@ -125,9 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--protocol", choices=("http", "grpc"), default="http", help="Default: http.")
     p.add_argument("--model", default="resnet152", help="model name on the server. Default: resnet152.")
     p.add_argument("--top-k", type=int, default=5, help="classes to print per image. Default: 5.")
+    p.add_argument("--raw", action="store_true",
+                   help="send the files' bytes to MODEL_image (server-side decoding) and print the top-k "
+                        "logits of Triton's classification extension. Default: off (preprocess here).")
     args = p.parse_args(argv)
+    if args.top_k < 1:
+        p.error("--top-k must be >= 1")
     try:
-        results = classify(args.images, args.url, args.protocol, args.model, args.top_k)
+        run = classify_raw if args.raw else classify
+        results = run(args.images, args.url, args.protocol, args.model, args.top_k)
     except ClientError as exc:
         print(f"classify: error: {exc}", file=sys.stderr)
         return 1
@@ -136,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for path, rows in zip(args.images, results):
         print(f"{path}:")
-        for label, prob in rows:
-            print(f'    "{label}": {prob:.10f}')
+        for label, value in rows:  # probabilities, or logits with --raw
+            print(f'    "{label}": {value:.10f}')
     return 0
 
 

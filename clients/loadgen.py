@@ -28,6 +28,7 @@ class Point:
     avg_batch: float  # inferences per execution, from Triton's statistics
     queue_ms: float  # average time a request waited in the batcher's queue
     compute_ms: float  # average compute (input + infer + output) per request
+    engine: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)

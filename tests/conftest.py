@@ -13,6 +13,7 @@ import torchvision
 from builder import cli as build_repo
 from builder.serve import TritonServer, free_port
 
+ROOT = Path(__file__).resolve().parent.parent
 SMALL = "resnet18"   # any model will do: ~10x cheaper than ResNet-152
 LARGE = "resnet152"  # the model our users serve, kept in one end-to-end test
 SEED = 0

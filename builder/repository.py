@@ -1,0 +1,164 @@
+"""Write a classifier's model directories (classifier, preprocess, ensemble, exports) atomically."""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from builder import config as cfg
+from builder import export
+from builder.weights import Classifier, crop_size
+
+BACKENDS = Path(__file__).resolve().parent.parent / "backends"
+ENGINES = ("torch", "torchscript", "onnxruntime")
+ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx"}  # engine -> export it runs
+
+
+class BuildError(RuntimeError):
+    """The build cannot go on; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Options:
+    batching: cfg.Batching
+    kind: cfg.InstanceKind
+    instances: int = 1
+    num_threads: int = 0
+    engine: str = "torch"
+    formats: tuple[str, ...] = ("python",)
+    verify: bool = False
+
+
+def model_names(name: str, formats: tuple[str, ...]) -> list[str]:
+    names = [name, f"{name}_preprocess", f"{name}_image"]
+    return names + [f"{name}_{fmt}" for fmt in ("onnx", "torchscript") if fmt in formats]
+
+
+def check_free(output: Path, name: str, formats: tuple[str, ...], force: bool) -> list[str]:
+    """The model directories a build writes; refuse if one exists and `force` is off."""
+    names = model_names(name, formats)
+    existing = [output / n for n in names if (output / n).exists()]
+    if existing and not force:
+        raise BuildError(f"{existing[0]} already exists; pass --force to replace it")
+    return names
+
+
+def build(classifier: Classifier, output: Path, options: Options, force: bool = False,
+          report=print) -> list[Path]:
+    """Write every model directory into a staging folder, verify, then move them into place."""
+    names = check_free(output, classifier.name, options.formats, force)
+    output.mkdir(parents=True, exist_ok=True)
+    # The staging folder sits beside the repository (same filesystem: rename is atomic) but not
+    # inside it, so a server watching the repository never sees a half-written model.
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.resolve().name}-build-", dir=output.resolve().parent))
+    try:
+        artifacts = _export(classifier, staging / "exports", options)
+        if options.verify:
+            errors = export.verify(classifier.module, artifacts, crop_size(classifier.preprocess))
+            report(export.error_table(errors))
+            bad = [name for name, error in errors.items() if error > export.TOLERANCE]
+            if bad:
+                raise BuildError(f"{', '.join(bad)} differ from eager torch by more than {export.TOLERANCE:g}; "
+                                 "nothing was written")
+        _write_all(staging, classifier, options, artifacts)
+        return [_swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _export(classifier: Classifier, folder: Path, options: Options) -> dict[str, Path]:
+    """Each ONNX / TorchScript artifact the formats or the engine need, exported once."""
+    wanted = {fmt for fmt in options.formats if fmt != "python"}
+    if options.engine in ENGINE_ARTIFACT:
+        wanted.add(ENGINE_ARTIFACT[options.engine])
+    folder.mkdir()
+    side = crop_size(classifier.preprocess)
+    artifacts = {}
+    try:
+        if "onnx" in wanted:
+            artifacts["onnx"] = export.export_onnx(classifier.module, folder / "model.onnx", side)
+        if "torchscript" in wanted:
+            artifacts["torchscript"] = export.export_torchscript(classifier.module, folder / "model.pt", side)
+    except export.ExportError as exc:
+        raise BuildError(str(exc)) from exc
+    except Exception as exc:  # an exporter's own failure on an unusual architecture
+        raise BuildError(f"export of {classifier.name} failed: {type(exc).__name__}: {exc}") from exc
+    return artifacts
+
+
+def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[str, Path]) -> None:
+    side = crop_size(c.preprocess)
+    labels = "\n".join(c.categories) + "\n"
+    image, logits = _image(side), cfg.Tensor("LOGITS", "TYPE_FP32", (len(c.categories),), "labels.txt")
+    common = {"torchvision_model": c.name, "weights": c.weights, "num_classes": str(len(c.categories)),
+              # Clients and the preprocess model rebuild the exact transforms() from this.
+              "preprocess_weights": str(c.preprocess)}
+
+    version = _model_dir(staging / c.name, labels)
+    torch.save(c.module.state_dict(), version / "weights.pt")
+    shutil.copyfile(BACKENDS / "classifier.py", version / "model.py")
+    if options.engine in ENGINE_ARTIFACT:
+        artifact = artifacts[ENGINE_ARTIFACT[options.engine]]
+        shutil.copyfile(artifact, version / artifact.name)
+    _config(staging / c.name, image, logits, cfg.Format.PYTHON, options, {
+        # Inputs stay where they arrive (GPU memory on a GPU instance): DLPack, no copy.
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "weights_file": "weights.pt", "engine": options.engine,
+        "num_threads": str(options.num_threads), **common})
+
+    pre = f"{c.name}_preprocess"
+    version = _model_dir(staging / pre, None)
+    shutil.copyfile(BACKENDS / "preprocess.py", version / "model.py")
+    # Decoding runs on the CPU whatever the classifier's kind.
+    pre_options = Options(options.batching, cfg.InstanceKind.CPU, options.instances, options.num_threads)
+    _config(staging / pre, _image_bytes(), image, cfg.Format.PYTHON, pre_options,
+            {"num_threads": str(options.num_threads), **common})
+
+    ensemble = f"{c.name}_image"
+    _model_dir(staging / ensemble, labels)
+    steps = (cfg.Step(pre, {"IMAGE_BYTES": "IMAGE_BYTES"}, {"IMAGE": "image"}),
+             cfg.Step(c.name, {"IMAGE": "image"}, {"LOGITS": "LOGITS"}))
+    _config(staging / ensemble, _image_bytes(), logits, cfg.Format.ENSEMBLE, options, common, steps)
+
+    for fmt, output_name in (("onnx", "LOGITS"), ("torchscript", export.TORCHSCRIPT_OUTPUT)):
+        if fmt in options.formats:
+            name = f"{c.name}_{fmt}"
+            version = _model_dir(staging / name, labels)
+            shutil.copyfile(artifacts[fmt], version / artifacts[fmt].name)
+            out = cfg.Tensor(output_name, "TYPE_FP32", logits.dims, "labels.txt")
+            _config(staging / name, image, out, cfg.Format(fmt), options, common)
+
+
+def _model_dir(model_dir: Path, labels: str | None) -> Path:
+    version = model_dir / "1"
+    version.mkdir(parents=True)
+    if labels is not None:
+        (model_dir / "labels.txt").write_text(labels)
+    return version
+
+
+def _config(model_dir: Path, inp: cfg.Tensor, out: cfg.Tensor, fmt: cfg.Format, options: Options,
+            parameters: dict[str, str], steps: tuple[cfg.Step, ...] = ()) -> None:
+    spec = cfg.ModelSpec(name=model_dir.name, inputs=(inp,), outputs=(out,), format=fmt, batching=options.batching,
+                         kind=options.kind, instances=options.instances, parameters=parameters, steps=steps)
+    cfg.write_config(spec.to_proto(), model_dir)
+
+
+def _swap_in(built: Path, target: Path) -> Path:
+    if target.exists():
+        retired = built.with_name(built.name + ".old")
+        target.rename(retired)  # kept until the new one is in place, so a failure loses nothing
+        built.rename(target)
+    else:
+        built.rename(target)
+    return target
+
+
+def _image(side: int) -> cfg.Tensor:
+    return cfg.Tensor("IMAGE", "TYPE_FP32", (3, side, side))
+
+
+def _image_bytes() -> cfg.Tensor:
+    return cfg.Tensor("IMAGE_BYTES", "TYPE_STRING", (1,))
