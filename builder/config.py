@@ -77,6 +77,18 @@ class Batching:
     def dynamic(self) -> bool:
         return self.max_batch_size > 0
 
+    def validate(self) -> None:
+        if self.max_batch_size < 0:
+            raise ConfigError(f"`max_batch_size` must be >= 0 (0 disables batching), got {self.max_batch_size}")
+        if self.max_queue_delay_us < 0:
+            raise ConfigError(f"`max_queue_delay_microseconds` must be >= 0, got {self.max_queue_delay_us}")
+        if self.preferred_batch_sizes and not self.dynamic:
+            raise ConfigError("`preferred_batch_size` needs dynamic batching: set `max_batch_size` >= 1")
+        for size in self.preferred_batch_sizes:
+            if not 1 <= size <= self.max_batch_size:
+                raise ConfigError(f"`preferred_batch_size` {size} must be between 1 and "
+                                  f"`max_batch_size` {self.max_batch_size}")
+
 
 @dataclass(frozen=True)
 class Step:
@@ -110,18 +122,7 @@ class ModelSpec:
                 raise ConfigError(f"`data_type` {tensor.data_type!r} of {tensor.name} is not a Triton type")
             if not tensor.dims or any(d == 0 or d < -1 for d in tensor.dims):
                 raise ConfigError(f"`dims` of {tensor.name} must be positive or -1, got {list(tensor.dims)}")
-        b = self.batching
-        if b.max_batch_size < 0:
-            raise ConfigError(f"`max_batch_size` must be >= 0 (0 disables batching), got {b.max_batch_size}")
-        if b.max_queue_delay_us < 0:
-            raise ConfigError(f"`max_queue_delay_microseconds` must be >= 0, got {b.max_queue_delay_us}")
-        if b.preferred_batch_sizes and not b.dynamic:
-            raise ConfigError("`preferred_batch_size` needs dynamic batching: set `max_batch_size` >= 1")
-        for size in b.preferred_batch_sizes:
-            if not 1 <= size <= b.max_batch_size:
-                raise ConfigError(
-                    f"`preferred_batch_size` {size} must be between 1 and `max_batch_size` {b.max_batch_size}"
-                )
+        self.batching.validate()
         if (self.format == Format.ENSEMBLE) != bool(self.steps):
             raise ConfigError("`ensemble_scheduling` steps are needed exactly when the platform is ensemble")
         if self.instances < 1:

@@ -44,8 +44,9 @@ def test_build_repo_writes_backend_weights_and_labels_when_building(built):
     expected = reference_model().state_dict()
     assert state.keys() == expected.keys()
     assert all(torch.equal(state[k], expected[k]) for k in expected)
-    # Nothing but the model directory lands in the repository or beside it.
-    assert sorted(p.name for p in built.iterdir()) == [SMALL]
+    # The classifier, its preprocess model and the image ensemble; nothing else in or beside the repository.
+    assert sorted(p.name for p in built.iterdir()) == [SMALL, f"{SMALL}_image", f"{SMALL}_preprocess"]
+    assert (model_dir / "1" / "model.onnx").is_file()  # engine auto on CPU: onnxruntime
     assert sorted(p.name for p in built.parent.iterdir()) == ["T"]
 
 
@@ -61,7 +62,8 @@ def test_build_repo_replaces_model_when_forced(tmp_path):
     build(tmp_path, "--max-batch-size", "8")
     build(tmp_path, "--max-batch-size", "4", "--force")
     assert read_config(tmp_path / SMALL).max_batch_size == 4
-    assert sorted(p.name for p in tmp_path.iterdir()) == [SMALL]
+    assert read_config(tmp_path / f"{SMALL}_image").max_batch_size == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [SMALL, f"{SMALL}_image", f"{SMALL}_preprocess"]
 
 
 def test_build_repo_keeps_previous_repository_when_forced_build_fails(tmp_path, capsys):

@@ -92,3 +92,17 @@ def test_classify_raw_prints_classification_extension_top5_when_given_a_file(ser
     top = np.argsort(-expected)[:5]
     assert lines[0] == f"{CAT}:"
     assert [line.split('"')[1] for line in lines[1:]] == [WEIGHTS.meta["categories"][i] for i in top]
+
+
+def test_curl_script_returns_top5_strings_when_posting_a_file(server, small_model):
+    import json
+    import subprocess
+
+    from conftest import ROOT
+
+    result = subprocess.run([str(ROOT / "clients" / "curl_classify.sh"), str(CAT), server.http_url, SMALL, "5"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    strings = json.loads(result.stdout)["outputs"][0]["data"]
+    row = [(float(s.split(":", 2)[0]), int(s.split(":", 2)[1]), s.split(":", 2)[2]) for s in strings]
+    _assert_matches(row, _expected_logits(small_model, Image.open(CAT).convert("RGB")))

@@ -60,10 +60,12 @@ def test_serve_repo_shows_tritons_reason_when_a_model_fails_to_load(repository, 
     repo = tmp_path / "repo"
     repo.mkdir()
     shutil.copytree(repository / SMALL, repo / SMALL)
-    (repo / SMALL / "1" / "weights.pt").write_bytes(b"this is not a state_dict")
+    (repo / SMALL / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
     with pytest.raises(ServerError) as failure:
         TritonServer(repo, free_port(), free_port(), free_port()).start(timeout=300)
-    assert f"resnet18: Internal: RuntimeError: cannot load resnet18 weights from {repo}" in str(failure.value)
+    message = str(failure.value)
+    assert f"resnet18: Internal: RuntimeError: cannot load the onnxruntime engine from {repo}" in message
+    assert "model.onnx" in message
 
 
 def test_serve_repo_says_what_is_missing_when_pytriton_is_not_installed(monkeypatch):
