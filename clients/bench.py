@@ -59,30 +59,37 @@ def _configs(args) -> list[tuple[str, int, int]]:
     return parsed
 
 
-def inprocess_rate(model_dir: Path, engine: str, batch_sizes: list[int], seconds: float) -> dict[int, float]:
-    """Images/s of the very engine the backend builds (backends/classifier.py), with no server."""
-    import torch
+class InProcess:
+    """The very engine the backend builds (backends/classifier.py), run here with no server."""
 
-    from backends.classifier import _load_engine
-    from builder.config import read_config
+    def __init__(self, model_dir: Path, engine: str):
+        import torch
 
-    config = read_config(model_dir)
-    params = {k: v.string_value for k, v in config.parameters.items()}
-    params["engine"] = engine
-    memory_format = torch.contiguous_format if engine == "onnxruntime" else torch.channels_last
-    run = _load_engine(model_dir / "1", params, torch.device("cpu"), memory_format, 0)
-    side = int(config.input[0].dims[-1])
-    rates = {}
-    with torch.inference_mode():
-        for batch in sorted(set(batch_sizes)):
-            images = torch.from_numpy(np.stack([loadgen.sample(side, False)] * batch))
-            run(images.to(memory_format=memory_format))  # warm-up: kernel selection
+        from backends.classifier import _load_engine
+        from builder.config import read_config
+
+        config = read_config(model_dir)
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        self.memory_format = torch.contiguous_format if engine == "onnxruntime" else torch.channels_last
+        self.run = _load_engine(model_dir / "1", {**params, "engine": engine}, torch.device("cpu"),
+                                self.memory_format, 0)
+        self.side = int(config.input[0].dims[-1])
+        self.rates: dict[int, list[float]] = {}
+
+    def measure(self, batch: int, seconds: float) -> float:
+        """Images/s at `batch`; measured right after each served point, so both see the same machine."""
+        import torch
+
+        images = torch.from_numpy(np.stack([loadgen.sample(self.side, False)] * batch))
+        with torch.inference_mode():
+            self.run(images.to(memory_format=self.memory_format))  # warm-up: kernel selection
             done, start = 0, time.perf_counter()
             while time.perf_counter() - start < seconds or done < 2:
-                run(images.to(memory_format=memory_format))  # the backend converts each batch too
+                self.run(images.to(memory_format=self.memory_format))  # the backend converts each batch too
                 done += 1
-            rates[batch] = batch * done / (time.perf_counter() - start)
-    return rates
+        rate = batch * done / (time.perf_counter() - start)
+        self.rates.setdefault(batch, []).append(rate)
+        return rate
 
 
 def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:
@@ -104,7 +111,7 @@ def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:
 
 
 def sweep(url: str, model: str, engines: list[str], configs, concurrency: list[int], seconds: float,
-          progress) -> list[loadgen.Point]:
+          progress, inprocess: dict[str, InProcess]) -> list[loadgen.Point]:
     client = httpclient.InferenceServerClient(url)
     base = loadgen.served_config(client, model)
     side = int(base["input"][0]["dims"][-1])
@@ -121,6 +128,9 @@ def sweep(url: str, model: str, engines: list[str], configs, concurrency: list[i
                     progress.set_description(f"{name} c={c}")
                     point = loadgen.run_load(url, model, c, seconds, image, label=name)
                     point.engine = engine
+                    if engine in inprocess and point.avg_batch > 0:  # the server idles meanwhile
+                        point.inprocess_same_batch = inprocess[engine].measure(
+                            max(1, round(point.avg_batch)), max(2.0, seconds / 3))
                     points.append(point)
                     progress.update(1)
     finally:
@@ -128,8 +138,7 @@ def sweep(url: str, model: str, engines: list[str], configs, concurrency: list[i
     return points
 
 
-def summarize(points: list[loadgen.Point], rates: dict[str, dict[int, float]], configs,
-              engines: list[str]) -> dict:
+def summarize(points: list[loadgen.Point], configs, engines: list[str]) -> dict:
     """The headline ratios, each from numbers measured in this one run."""
     single = len(engines) == 1
     default = next((label for label, size, _ in configs if label.startswith("default")), None)
@@ -140,16 +149,15 @@ def summarize(points: list[loadgen.Point], rates: dict[str, dict[int, float]], c
         by = {(p.config, p.concurrency): p for p in points if p.engine == engine}
         ratios = {}
         c8, one = by.get((name(batched), 8)), by.get((name("unbatched"), 1))
-        if c8 and engine in rates:
-            same_batch = max(1, round(c8.avg_batch))
-            ratios["inprocess_batch_c8"] = same_batch
-            ratios["served_over_inprocess_c8"] = c8.throughput / rates[engine][same_batch]
+        if c8 and c8.inprocess_same_batch:
+            ratios["inprocess_batch_c8"] = max(1, round(c8.avg_batch))
+            ratios["served_over_inprocess_c8"] = c8.throughput / c8.inprocess_same_batch
             if (name("unbatched"), 8) in by:
                 ratios["batched_over_unbatched_c8"] = c8.throughput / by[(name("unbatched"), 8)].throughput
         if one and default and (name(default), 1) in by:
             ratios["p50_c1_default_over_unbatched"] = by[(name(default), 1)].p50_ms / one.p50_ms
-        if one and engine in rates:
-            ratios["served_over_inprocess_c1_unbatched"] = one.throughput / rates[engine][1]
+        if one and one.inprocess_same_batch:
+            ratios["served_over_inprocess_c1_unbatched"] = one.throughput / one.inprocess_same_batch
         per_engine[engine] = ratios
     summary.update(per_engine[engines[0]])  # the headline is the first (shipped) engine's
     if not single:
@@ -239,16 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         if server is not None:
             add_engine_artifacts(model_dir, engines)
             url = server.start().http_url
+        inprocess = {e: InProcess(model_dir, e) for e in engines} if model_dir.exists() else {}
         with tqdm(total=len(engines) * len(configs) * len(concurrency), unit="point", file=sys.stderr) as bar:
-            points = sweep(url, model, engines, configs, concurrency, seconds, bar)
-        if server is not None:
-            server.stop()  # the in-process engine gets the whole machine, as the server did
-            server = None
-        rates = {}
-        if model_dir.exists():
-            for engine in engines:
-                formed = {max(1, round(p.avg_batch)) for p in points if p.engine == engine and p.avg_batch > 0}
-                rates[engine] = inprocess_rate(model_dir, engine, sorted({1} | formed), max(2.0, seconds / 2))
+            points = sweep(url, model, engines, configs, concurrency, seconds, bar, inprocess)
     except (ServerError, RuntimeError, OSError) as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 1
@@ -258,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": model, "engines": engines, "seconds_per_point": seconds,
               "configs": [list(c) for c in configs], "machine": machine(),
               "command": " ".join(["python -m clients.bench", *(argv if argv is not None else sys.argv[1:])]),
-              **(summarize(points, rates, configs, engines) if rates else {}),
-              "inprocess_images_per_s": {e: {str(b): r for b, r in by.items()} for e, by in rates.items()},
+              **summarize(points, configs, engines),
+              "inprocess_images_per_s": {e: {str(b): float(np.mean(r)) for b, r in sorted(ip.rates.items())}
+                                         for e, ip in inprocess.items()},
               "points": [p.as_dict() for p in points]}
     for path in write_outputs(result, stem):
         print(f"wrote {path}")

@@ -29,6 +29,7 @@ class Point:
     queue_ms: float  # average time a request waited in the batcher's queue
     compute_ms: float  # average compute (input + infer + output) per request
     engine: str = ""
+    inprocess_same_batch: float = 0.0  # the same engine in-process at round(avg_batch), measured right after
 
     def as_dict(self) -> dict:
         return asdict(self)
