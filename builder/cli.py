@@ -5,16 +5,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from builder.cliutil import OneLineParser
 from builder import config as cfg
 from builder.repository import ENGINES, BuildError, Options, build, check_free
 from builder.weights import WEIGHT_CHOICES, WeightsError, classification_models, load_classifier
 
 FORMATS = ("python", "onnx", "torchscript")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and status 2, instead of argparse's usage dump
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _positive(text: str) -> int:
@@ -39,7 +35,7 @@ def _delay_ms(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="build-repo", description=__doc__)
+    p = OneLineParser(prog="build-repo", description=__doc__)
     p.add_argument("--model", default="resnet152", help="torchvision classification model. Default: resnet152.")
     p.add_argument("--weights", default="auto", metavar="|".join(WEIGHT_CHOICES) + "|PATH",
                    help="auto: pretrained DEFAULT if downloadable or cached, else random with a warning; "

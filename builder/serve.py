@@ -1,7 +1,6 @@
 """`serve-repo`: run the real tritonserver bundled in the nvidia-pytriton wheel on a model repository."""
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib.util
 import os
@@ -17,6 +16,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from builder.cliutil import OneLineParser
 
 
 # Triton logs: failed to load 'resnet18' version 1: Internal: KeyError: ...\n\nAt: ...
@@ -62,7 +63,7 @@ def servable_models(repository: Path) -> tuple[list[str], dict[str, str]]:
         name = config_path.parent.name
         try:
             config = read_config(config_path)
-        except Exception as exc:  # let Triton itself report a config it cannot parse
+        except Exception:  # let Triton itself report a config it cannot parse
             loadable.append(name)
             continue
         if config.backend == "python" or config.platform == "ensemble":
@@ -215,13 +216,8 @@ class TritonServer:
         self.stop()
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="serve-repo", description=__doc__)
+    p = OneLineParser(prog="serve-repo", description=__doc__)
     p.add_argument("--repository", type=Path, default=Path("model_repository"),
                    help="model repository to serve. Default: model_repository.")
     p.add_argument("--http-port", type=int, default=8000, help="Default: 8000.")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.http as httpclient
 
+from builder.cliutil import OneLineParser
 from clients import loadgen
 
 # (label, max_batch_size, max_queue_delay_us); "default" is what build-repo ships.
@@ -20,13 +21,8 @@ FULL_CONFIGS = [("unbatched", 0, 0), ("default b8 d0", 8, 0), ("b8 d20ms", 8, 20
 QUICK_CONFIGS = [("unbatched", 0, 0), ("default b8 d0", 8, 0)]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m clients.bench", description=__doc__)
+    p = OneLineParser(prog="python -m clients.bench", description=__doc__)
     p.add_argument("--url", help="a running server in explicit model-control mode. "
                                  "Default: build a repository and start serve-repo.")
     p.add_argument("--model", default=None, help="model to bench. Default: resnet152 (resnet18 with --quick).")

@@ -1,22 +1,18 @@
 """Classify image files on a Triton server and print the top-k `label: probability` per image."""
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from builder.cliutil import OneLineParser
 
 INPUT, OUTPUT = "IMAGE", "LOGITS"
 
 
 class ClientError(RuntimeError):
     """The server or its model is not what this client expects; the message says how."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def connect(url: str, protocol: str):
@@ -148,7 +144,7 @@ def classify_raw(paths: list[Path], url: str, protocol: str, model: str, k: int)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m clients.classify", description=__doc__)
+    p = OneLineParser(prog="python -m clients.classify", description=__doc__)
     p.add_argument("images", nargs="+", type=Path, help="image files (JPEG, PNG, ...).")
     p.add_argument("--url", default="127.0.0.1:8000", help="server address. Default: 127.0.0.1:8000 (HTTP).")
     p.add_argument("--protocol", choices=("http", "grpc"), default="http", help="Default: http.")

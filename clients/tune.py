@@ -10,17 +10,13 @@ import tritonclient.http as httpclient
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from builder.cliutil import OneLineParser
 from builder import config as cfg
 from clients import loadgen
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m clients.tune", description=__doc__)
+    p = OneLineParser(prog="python -m clients.tune", description=__doc__)
     p.add_argument("--url", default="127.0.0.1:8000", help="server HTTP address. Default: 127.0.0.1:8000.")
     p.add_argument("--model", default="resnet152", help="model to tune. Default: resnet152.")
     load = p.add_mutually_exclusive_group()

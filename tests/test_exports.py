@@ -5,7 +5,6 @@ import shutil
 import numpy as np
 import onnx
 import pytest
-import torch
 import tritonclient.http as httpclient
 
 from builder import cli as build_repo

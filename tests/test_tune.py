@@ -1,5 +1,4 @@
 """clients.tune reloads candidates live on an explicit-mode server and writes a config that loads."""
-import json
 import shutil
 
 import pytest
