@@ -27,14 +27,14 @@ class TritonPythonModel:
         self.device = _instance_device(args)
         self.sample_shape = tuple(int(d) for d in config["input"][0]["dims"])
         self.batched = int(config.get("max_batch_size", 0)) > 0
-        # channels_last lets oneDNN pick its fastest convolution kernels on CPU (~15% here).
-        self.memory_format = torch.channels_last if self.device.type == "cpu" else torch.contiguous_format
+        self.engine_name = params.get("engine", "torch")
+        # channels_last lets oneDNN pick its fastest convolution kernels on CPU (~15% here);
+        # onnxruntime wants plain NCHW and picks its own layouts.
+        cpu_torch = self.device.type == "cpu" and self.engine_name != "onnxruntime"
+        self.memory_format = torch.channels_last if cpu_torch else torch.contiguous_format
         threads = int(params.get("num_threads", "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
-        self.engine_name = params.get("engine", "torch")
-        if self.engine_name == "onnxruntime":  # ORT wants plain NCHW and picks its own layouts
-            self.memory_format = torch.contiguous_format
         self.model = _load_engine(Path(args["model_repository"]) / args["model_version"], params,
                                   self.device, self.memory_format, threads)
         # Warm up so the first real request does not pay for kernel selection.
