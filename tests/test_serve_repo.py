@@ -61,8 +61,12 @@ def test_serve_repo_shows_tritons_reason_when_a_model_fails_to_load(repository, 
     repo.mkdir()
     shutil.copytree(repository / SMALL, repo / SMALL)
     (repo / SMALL / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
-    with pytest.raises(ServerError) as failure:
-        TritonServer(repo, free_port(), free_port(), free_port()).start(timeout=300)
+    server = TritonServer(repo, free_port(), free_port(), free_port())
+    try:
+        with pytest.raises(ServerError) as failure:
+            server.start(timeout=300)
+    finally:
+        server.stop()  # were it to start anyway, leave no server behind
     message = str(failure.value)
     assert f"resnet18: Internal: RuntimeError: cannot load the onnxruntime engine from {repo}" in message
     assert "model.onnx" in message
