@@ -31,7 +31,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.batched = int(config.get("max_batch_size", 0)) > 0
-        self.max_pixels = int(params.get("max_pixels", DEFAULT_MAX_PIXELS))
+        # PIL checks the size a header claims before decoding a pixel: this bounds each image's memory.
+        Image.MAX_IMAGE_PIXELS = int(params.get("max_pixels", DEFAULT_MAX_PIXELS))
         # Built once: the exact transforms() of the weights the classifier was built for.
         self.transform = torchvision.models.get_weight(params["preprocess_weights"]).transforms()
         threads = int(params.get("num_threads", "0") or 0)
@@ -58,14 +59,14 @@ class TritonPythonModel:
     def _image(self, element, index: int) -> np.ndarray:
         data = element if isinstance(element, bytes) else bytes(element)
         try:
-            image = decode(data, self.max_pixels)
+            image = decode(data)
         except ImageError as exc:
             raise ImageError(f"{INPUT}[{index}]: {exc}") from None
         with torch.inference_mode():
             return self.transform(image).numpy()
 
 
-def decode(data: bytes, max_pixels: int) -> Image.Image:
+def decode(data: bytes) -> Image.Image:
     """One RGB image from encoded bytes, or ImageError saying what is wrong with them."""
     if not data:
         raise ImageError("empty image (0 bytes)")
@@ -73,8 +74,6 @@ def decode(data: bytes, max_pixels: int) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            # PIL checks the size the header claims before decoding a pixel: memory stays bounded.
-            Image.MAX_IMAGE_PIXELS = max_pixels
             image = Image.open(io.BytesIO(data))
             if getattr(image, "n_frames", 1) > 1:
                 raise ImageError(f"{image.format} holds {image.n_frames} images; send one image per element")

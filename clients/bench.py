@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 
 from builder.cliutil import OneLineParser
 from clients import loadgen
+from clients.classify import model_config
 
 # (label, max_batch_size, max_queue_delay_us); "default" is what build-repo ships.
 FULL_CONFIGS = [("unbatched", 0, 0), ("default b8 d0", 8, 0), ("b8 d20ms", 8, 20_000), ("b16 d0", 16, 0)]
@@ -109,7 +110,7 @@ def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:
 def sweep(url: str, model: str, engines: list[str], configs, concurrency: list[int], seconds: float,
           progress, inprocess: dict[str, InProcess]) -> list[loadgen.Point]:
     client = httpclient.InferenceServerClient(url)
-    base = loadgen.served_config(client, model)
+    base = model_config(client, model)
     side = int(base["input"][0]["dims"][-1])
     points = []
     try:

@@ -137,11 +137,6 @@ def _point(label, concurrency, seconds, completions, before, after) -> Point:
     )
 
 
-def served_config(client, model: str) -> dict:
-    config = client.get_model_config(model)
-    return config.get("config", config)
-
-
 def batching_override(base: dict, max_batch_size: int, delay_us: int, instances: int | None = None,
                       preferred: tuple[int, ...] = ()) -> dict:
     """A whole config (Triton's load API wants the full JSON) with new batching settings."""

@@ -13,6 +13,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from builder.cliutil import OneLineParser
 from builder import config as cfg
 from clients import loadgen
+from clients.classify import model_config
 
 
 def parser() -> argparse.ArgumentParser:
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not client.is_model_ready(args.model):
             raise RuntimeError(f"model {args.model!r} is not ready on {args.url}")
-        base = loadgen.served_config(client, args.model)
+        base = model_config(client, args.model)
         if args.reconfigure:
             config = reconfigure(client, args.model, base, args)
             if args.output:
