@@ -1,6 +1,6 @@
 """Triton Python backend for a torchvision classifier: one batched forward pass per execute() call.
 
-build-repo copies this file to <repository>/<model>/1/model.py; it must stay self-contained.
+build-repo copies this file to <repository>/<model>/1/model.py and batch_runner.py beside it.
 """
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton, e.g. by clients.bench to run the very same engine in-process
     pb_utils = None
+try:  # in Triton: batch_runner.py sits beside this file in the version folder, which is on sys.path
+    from batch_runner import PRECISIONS, BatchRunner, parse_buckets
+except ImportError:
+    from backends.batch_runner import PRECISIONS, BatchRunner, parse_buckets
 
 INPUT = "IMAGE"
 OUTPUT = "LOGITS"
@@ -26,22 +30,19 @@ class TritonPythonModel:
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.device = _instance_device(args)
         self.sample_shape = tuple(int(d) for d in config["input"][0]["dims"])
-        self.batched = int(config.get("max_batch_size", 0)) > 0
+        max_batch = int(config.get("max_batch_size", 0))
+        self.batched = max_batch > 0
         self.engine_name = params.get("engine", "torch")
-        # channels_last lets oneDNN pick its fastest convolution kernels on CPU (~15% here);
-        # onnxruntime wants plain NCHW and picks its own layouts.
-        cpu_torch = self.device.type == "cpu" and self.engine_name != "onnxruntime"
-        self.memory_format = torch.channels_last if cpu_torch else torch.contiguous_format
         threads = int(params.get("num_threads", "0") or 0)
         if threads > 0:
             torch.set_num_threads(threads)
-        self.model = _load_engine(Path(args["model_repository"]) / args["model_version"], params,
-                                  self.device, self.memory_format, threads)
-        # Warm up so the first real request does not pay for kernel selection.
-        self._forward(torch.zeros((1, *self.sample_shape), device=self.device))
+        self.runner = build_runner(Path(args["model_repository"]) / args["model_version"], params,
+                                   self.device, max(max_batch, 1), self.sample_shape, threads)
+        self.runner.warm_up()  # every bucket, before Triton reports the model READY
         pb_utils.Logger.log_info(
-            f"{args['model_name']}: {params.get('torchvision_model')} ({self.engine_name}) on {self.device}, "
-            f"{torch.get_num_threads()} threads, batched={self.batched}"
+            f"{args['model_name']}: {params.get('torchvision_model')} ({self.engine_name}, "
+            f"{params.get('precision', 'fp32')}) on {self.device}, buckets {self.runner.buckets or '-'}, "
+            f"cuda_graphs={self.runner.cuda_graphs}, {torch.get_num_threads()} threads, batched={self.batched}"
         )
 
     def execute(self, requests):
@@ -59,13 +60,15 @@ class TritonPythonModel:
         return responses
 
     def finalize(self):
-        self.model = None
+        self.runner = None
 
     def _input(self, request) -> torch.Tensor:
         tensor = pb_utils.get_input_tensor_by_name(request, INPUT)
         if tensor is None:
             raise ValueError(f"request has no input {INPUT!r}")
-        # DLPack hands over Triton's buffer without a copy (GPU memory stays on the GPU).
+        # DLPack shares Triton's buffer, wherever it is: HTTP/gRPC inputs arrive in CPU memory even on a
+        # GPU instance (python_backend copies them to the GPU only for CUDA shared memory or an ensemble
+        # step on the GPU); the runner stages CPU rows once per batch.
         image = torch.from_dlpack(tensor.to_dlpack())
         if not self.batched:
             image = image.unsqueeze(0)
@@ -80,11 +83,12 @@ class TritonPythonModel:
         """One forward for all requests; each request gets exactly its own rows back."""
         sizes = [image.shape[0] for image in images]
         try:
-            batch = images[0] if len(images) == 1 else torch.cat([i.to(self.device) for i in images])
-            logits = self._forward(batch)
+            logits = self.runner.run(images)
         except Exception as exc:
-            if len(images) == 1:
-                return [_error(f"inference failed: {type(exc).__name__}: {exc}")]
+            device_fault = _is_device_fault(exc)
+            if len(images) == 1 or device_fault:  # a CUDA fault poisons the whole batch (and the context)
+                message = f"inference failed: {type(exc).__name__}: {_first_line(exc)}"
+                return [_error(message) for _ in images]
             # Only a request that fails on its own should get an error: retry one by one.
             return [response for image in images for response in self._infer([image])]
         if logits.shape[0] != sum(sizes):
@@ -92,18 +96,48 @@ class TritonPythonModel:
             return [_error(message) for _ in images]
         return [_response(rows if self.batched else rows[0]) for rows in logits.split(sizes)]
 
-    def _forward(self, batch: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            batch = batch.to(self.device, memory_format=self.memory_format, non_blocking=True)
-            return self.model(batch).float()
+
+def build_runner(version_dir: Path, params: dict, device: torch.device, max_batch: int,
+                 sample_shape: tuple[int, ...], threads: int = 0) -> BatchRunner:
+    """The engine the config names, wrapped in the batch runner with the config's speed options."""
+    engine_name = params.get("engine", "torch")
+    precision = params.get("precision", "fp32")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = params.get("cudnn_benchmark", "1") == "1"
+    # channels_last lets cuDNN / oneDNN pick their fastest convolution kernels (~15% on CPU, tensor-core
+    # layouts on GPU); onnxruntime wants plain NCHW and picks its own layouts.
+    channels_last = engine_name != "onnxruntime"
+    if engine_name == "onnxruntime" and precision != "fp32":
+        raise RuntimeError(f"engine onnxruntime runs the fp32 export; precision {precision} needs engine torch")
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    engine = _load_engine(version_dir, params, device, memory_format, threads)
+    if precision != "fp32" and isinstance(engine, torch.nn.Module):
+        engine = engine.to(PRECISIONS[precision])
+    buckets = parse_buckets(params.get("batch_buckets", ""), max_batch)
+    return BatchRunner(engine, device, sample_shape, precision, params.get("cuda_graphs", "0") == "1",
+                       buckets, channels_last, graph_ok=engine_name != "onnxruntime")
 
 
 def _instance_device(args) -> torch.device:
     if args.get("model_instance_kind") == "GPU":
         if not torch.cuda.is_available():
             raise RuntimeError("instance group asks for a GPU but torch sees no CUDA device")
-        return torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+        device = torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+        # Without this every instance also creates a context on GPU 0, and DLPack refuses tensors
+        # that live on a device other than the current one.
+        torch.cuda.set_device(device)
+        return device
     return torch.device("cpu")
+
+
+def _is_device_fault(exc: Exception) -> bool:
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc) or "cuDNN error" in str(exc)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _load_engine(version_dir: Path, params: dict, device: torch.device, memory_format, threads: int):
@@ -144,7 +178,14 @@ class _OnnxRuntime:
             providers = [("CUDAExecutionProvider", {"device_id": device.index or 0})]
         else:
             providers = ["CPUExecutionProvider"]
+        if device.type == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise RuntimeError("this onnxruntime has no CUDA execution provider (the CPU wheel?): install "
+                               "onnxruntime-gpu matching torch's CUDA major, or use engine torch on GPU")
         self.session = ort.InferenceSession(str(path), options, providers=providers)
+        if device.type == "cuda" and self.session.get_providers()[0] != "CUDAExecutionProvider":
+            # ORT falls back to a CPU session silently when the CUDA provider cannot start.
+            raise RuntimeError(f"onnxruntime could not start its CUDA provider (session runs on "
+                               f"{self.session.get_providers()}): check onnxruntime-gpu against CUDA/cuDNN")
         self.device = device
         self.classes = self.session.get_outputs()[0].shape[-1]
 

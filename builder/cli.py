@@ -43,21 +43,36 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed for random weights. Default: 0.")
     p.add_argument("--output", type=Path, default=Path("model_repository"),
                    help="model repository directory. Default: model_repository.")
+    cpu, gpu = cfg.DEFAULTS[cfg.InstanceKind.CPU], cfg.DEFAULTS[cfg.InstanceKind.GPU]
     p.add_argument("--max-batch-size", "--batch-size", dest="max_batch_size", type=_non_negative,
-                   default=cfg.DEFAULT_MAX_BATCH_SIZE,
                    help=f"largest batch Triton forms; 0 disables batching (TorchServe: batch_size). "
-                        f"Default: {cfg.DEFAULT_MAX_BATCH_SIZE}.")
+                        f"Default: {cpu.max_batch_size} (cpu), {gpu.max_batch_size} (gpu).")
     delay = p.add_mutually_exclusive_group()
-    delay.add_argument("--max-queue-delay-us", type=_non_negative, default=cfg.DEFAULT_MAX_QUEUE_DELAY_US,
+    delay.add_argument("--max-queue-delay-us", type=_non_negative,
                        help=f"longest a request waits for a batch to fill, in microseconds. "
-                            f"Default: {cfg.DEFAULT_MAX_QUEUE_DELAY_US}.")
+                            f"Default: {cpu.max_queue_delay_us} (cpu), {gpu.max_queue_delay_us} (gpu).")
     delay.add_argument("--max-batch-delay-ms", dest="max_queue_delay_us", type=_delay_ms,
                        help="the same in milliseconds (TorchServe: max_batch_delay). Default: unset.")
-    p.add_argument("--preferred-batch-size", type=_positive, nargs="+", default=[],
-                   help="batch sizes the batcher prefers to send. Default: none (send up to the max).")
-    p.add_argument("--instances", type=_positive, default=1, help="model instances (stub processes). Default: 1.")
+    p.add_argument("--preferred-batch-size", type=_positive, nargs="+",
+                   help="batch sizes the batcher prefers to send. Default: none (cpu), the batch buckets (gpu).")
+    p.add_argument("--instances", type=_positive,
+                   help=f"model instances (stub processes). Default: {cpu.instances} (cpu), {gpu.instances} (gpu).")
     p.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
                    help="instance kind; auto: gpu if torch sees CUDA here, else cpu. Default: auto.")
+    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
+                   help="weights and activations on a GPU instance (fp32 convolutions use TF32 tensor cores, "
+                        "torch's default); CPU instances run fp32. Default: fp32.")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture one CUDA graph per batch bucket at load time (engine torch/torchscript). "
+                        "Default: on for gpu.")
+    p.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
+                   help="let cuDNN time its algorithms per bucket at load time. Default: on.")
+    p.add_argument("--batch-buckets", type=_positive, nargs="+",
+                   help="batch sizes a GPU instance pads to and warms up (the max batch size is always one). "
+                        "Default: powers of two up to the max batch size.")
+    p.add_argument("--decode-device", choices=("auto", "gpu", "cpu"), default="auto",
+                   help="where NAME_preprocess decodes JPEGs on a gpu instance; other formats always "
+                        "decode on the CPU. Default: auto (the instance's GPU).")
     p.add_argument("--num-threads", type=_non_negative, default=0,
                    help="torch threads per CPU instance; 0 keeps torch's default. Default: 0.")
     p.add_argument("--formats", type=_formats, default=("python",),
@@ -90,16 +105,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.weights not in WEIGHT_CHOICES and not Path(args.weights).is_file():
             raise cfg.ConfigError(f"--weights {args.weights!r} is neither one of {', '.join(WEIGHT_CHOICES)} "
                                   "nor an existing state_dict file")
-        batching = cfg.Batching(args.max_batch_size, args.max_queue_delay_us, tuple(args.preferred_batch_size))
+        kind = _instance_kind(args.kind)
+        options = _options(args, kind)
         probe = cfg.Tensor("IMAGE", "TYPE_FP32", (3, 224, 224))
-        cfg.ModelSpec(args.model, (probe,), (probe,), batching=batching, instances=args.instances).validate()
+        cfg.ModelSpec(args.model, (probe,), (probe,), batching=options.batching,
+                      instances=options.instances).validate()
     except cfg.ConfigError as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 2
     try:
-        kind = _instance_kind(args.kind)
-        engine = args.engine if args.engine != "auto" else ("torch" if kind == cfg.InstanceKind.GPU else "onnxruntime")
-        options = Options(batching, kind, args.instances, args.num_threads, engine, args.formats, args.verify)
         check_free(args.output, args.model, args.formats, args.force)  # before the slow part
         classifier = load_classifier(args.model, args.weights, args.seed)
         for path in build(classifier, args.output, options, force=args.force):
@@ -108,6 +122,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _options(args, kind: cfg.InstanceKind) -> Options:
+    """The flags, with each unset one taken from the defaults for the instance kind."""
+    from backends.batch_runner import buckets_for
+
+    gpu, default = kind == cfg.InstanceKind.GPU, cfg.DEFAULTS[kind]
+    engine = args.engine if args.engine != "auto" else ("torch" if gpu else "onnxruntime")
+    if args.precision != "fp32" and not gpu:
+        raise cfg.ConfigError(f"--precision {args.precision} needs --kind gpu; CPU instances run fp32")
+    if args.precision != "fp32" and engine == "onnxruntime":
+        raise cfg.ConfigError(f"--precision {args.precision} needs --engine torch or torchscript "
+                              "(onnxruntime runs the fp32 export)")
+    max_batch = default.max_batch_size if args.max_batch_size is None else args.max_batch_size
+    buckets = tuple(buckets_for(max_batch)) if max_batch and gpu else ()
+    if args.batch_buckets:
+        if max(args.batch_buckets) > max(max_batch, 1):
+            raise cfg.ConfigError(f"--batch-buckets {max(args.batch_buckets)} exceeds `max_batch_size` {max_batch}")
+        buckets = tuple(sorted(set(args.batch_buckets) | {max(max_batch, 1)}))
+    preferred = args.preferred_batch_size
+    if preferred is None:
+        preferred = list(buckets) if gpu and max_batch else []
+    delay = default.max_queue_delay_us if args.max_queue_delay_us is None else args.max_queue_delay_us
+    graphs = gpu and engine != "onnxruntime" if args.cuda_graphs is None else args.cuda_graphs
+    if graphs and engine == "onnxruntime":
+        raise cfg.ConfigError("--cuda-graphs needs --engine torch or torchscript")
+    return Options(cfg.Batching(max_batch, delay if max_batch else 0, tuple(preferred)), kind,
+                   args.instances or default.instances, args.num_threads, engine, args.formats, args.verify,
+                   args.precision, bool(graphs and gpu), args.cudnn_benchmark, buckets, args.decode_device)
 
 
 def _instance_kind(kind: str) -> cfg.InstanceKind:

@@ -27,6 +27,22 @@ class InstanceKind(str, Enum):
     GPU = "KIND_GPU"
 
 
+@dataclass(frozen=True)
+class KindDefaults:
+    max_batch_size: int
+    max_queue_delay_us: int
+    instances: int
+
+
+# What `build-repo --kind K` ships when a flag is not given. A GPU wants big batches (ResNet-152 fp16
+# on an H100: 2000 img/s at batch 8, 6200 at 64 with CUDA graphs), a short delay so a batch forms
+# while the other instance computes, and two instances so one copies/prepares while the other runs.
+DEFAULTS = {
+    InstanceKind.CPU: KindDefaults(DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, 1),
+    InstanceKind.GPU: KindDefaults(64, 200, 2),
+}
+
+
 class Format(str, Enum):
     """Each export format and the Triton fields it implies."""
 

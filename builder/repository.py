@@ -30,6 +30,11 @@ class Options:
     engine: str = "torch"
     formats: tuple[str, ...] = ("python",)
     verify: bool = False
+    precision: str = "fp32"
+    cuda_graphs: bool = False
+    cudnn_benchmark: bool = True
+    buckets: tuple[int, ...] = ()  # batch sizes a GPU instance pads to (and captures graphs for)
+    decode_device: str = "auto"  # NAME_preprocess on a GPU instance: auto/gpu decode JPEGs there, cpu never
 
 
 def model_names(name: str, formats: tuple[str, ...]) -> list[str]:
@@ -100,21 +105,25 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     version = _model_dir(staging / c.name, labels)
     torch.save(c.module.state_dict(), version / "weights.pt")
     shutil.copyfile(BACKENDS / "classifier.py", version / "model.py")
+    shutil.copyfile(BACKENDS / "batch_runner.py", version / "batch_runner.py")
     if options.engine in ENGINE_ARTIFACT:
         artifact = artifacts[ENGINE_ARTIFACT[options.engine]]
         shutil.copyfile(artifact, version / artifact.name)
     _config(staging / c.name, image, logits, cfg.Format.PYTHON, options, {
-        # Inputs stay where they arrive (GPU memory on a GPU instance): DLPack, no copy.
+        # GPU tensors from the ensemble's preprocess step stay on the GPU (no round trip through the
+        # host); HTTP/gRPC inputs still arrive in CPU memory and the runner stages them once per batch.
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "weights_file": "weights.pt", "engine": options.engine,
-        "num_threads": str(options.num_threads), **common})
+        "num_threads": str(options.num_threads), "precision": options.precision,
+        "cuda_graphs": "1" if options.cuda_graphs else "0", "cudnn_benchmark": "1" if options.cudnn_benchmark else "0",
+        "batch_buckets": ",".join(map(str, options.buckets)), **common})
 
     pre = f"{c.name}_preprocess"
     version = _model_dir(staging / pre, None)
     shutil.copyfile(BACKENDS / "preprocess.py", version / "model.py")
-    # Decoding runs on the CPU whatever the classifier's kind.
-    pre_options = Options(options.batching, cfg.InstanceKind.CPU, options.instances, options.num_threads)
-    _config(staging / pre, _image_bytes(), image, cfg.Format.PYTHON, pre_options,
-            {"num_threads": str(options.num_threads), **common})
+    # Same kind as the classifier: on a GPU, JPEGs are decoded there and IMAGE stays in GPU memory
+    # between the two steps of the ensemble (Triton's CUDA memory pool), never crossing PCIe as floats.
+    _config(staging / pre, _image_bytes(), image, cfg.Format.PYTHON, options,
+            {"num_threads": str(options.num_threads), "decode_device": options.decode_device, **common})
 
     ensemble = f"{c.name}_image"
     _model_dir(staging / ensemble, labels)

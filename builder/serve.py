@@ -1,6 +1,7 @@
 """`serve-repo`: run the real tritonserver bundled in the nvidia-pytriton wheel on a model repository."""
 from __future__ import annotations
 
+import argparse
 import collections
 import importlib.util
 import os
@@ -74,6 +75,39 @@ def servable_models(repository: Path) -> tuple[list[str], dict[str, str]]:
     return loadable, skipped
 
 
+# Added when a repository has a KIND_GPU model, unless the same flag is passed through:
+# - the CUDA memory pool carries GPU tensors between models (the ensemble's IMAGE: a 64-image batch is
+#   38.5 MB as FP32); Triton's default 64 MB holds one such batch, and when it is exhausted
+#   the python backend falls back to slower CUDA IPC allocations per tensor;
+# - the python backend's shared memory starts at 1 MB per stub and grows 1 MB at a time; a batch of 64
+#   images moves ~38 MB through it, so start big enough and grow in large steps.
+GPU_FLAGS = ("--cuda-memory-pool-byte-size=0:536870912",
+             "--backend-config=python,shm-default-byte-size=67108864",
+             "--backend-config=python,shm-growth-byte-size=67108864")
+
+
+def uses_gpu(repository: Path) -> bool:
+    from builder.config import read_config
+
+    for config_path in Path(repository).glob("*/config.pbtxt"):
+        try:  # a config Triton cannot parse is reported by Triton itself
+            groups = read_config(config_path).instance_group
+        except Exception:
+            continue
+        if any(group.kind == group.KIND_GPU for group in groups):
+            return True
+    return False
+
+
+def _flag_names(args: list[str]) -> set[str]:
+    """`--name` of each flag, and `--backend-config=python,key` for backend settings."""
+    names = set()
+    for arg in args:
+        name, _, value = arg.partition("=")
+        names.add(name if name != "--backend-config" else f"{name}={value.split('=')[0]}")
+    return names
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -129,7 +163,10 @@ class TritonServer:
             cmd += [f"--http-restricted-api=model-repository:triton-admin-key={key}",
                     f"--grpc-restricted-protocol=model-repository:triton-admin-key={key}"]
         loadable, self.skipped = servable_models(self.repository)
-        return cmd + [f"--load-model={name}" for name in loadable] + self.extra_args
+        cmd += [f"--load-model={name}" for name in loadable]
+        if uses_gpu(self.repository):
+            cmd += [flag for flag in GPU_FLAGS if flag.split("=")[0] not in _flag_names(self.extra_args)]
+        return cmd + self.extra_args
 
     def start(self, timeout: float = 600) -> "TritonServer":
         if not self.repository.is_dir():
@@ -230,9 +267,14 @@ def main(argv: list[str] | None = None) -> int:
                         "models it has no backend for. Default: none.")
     p.add_argument("--log-file", type=Path, help="tritonserver's log. Default: a temporary file.")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait until ready. Default: 600.")
+    p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
+                   help="flags passed to tritonserver unchanged, after `--` (e.g. -- --log-verbose=1 "
+                        "--cuda-memory-pool-byte-size=0:1073741824). Default: none; a repository with GPU "
+                        "models gets " + " ".join(GPU_FLAGS) + " unless the same flags are passed.")
     args = p.parse_args(argv)
+    extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
     server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
-                          args.model_control, args.log_file)
+                          args.model_control, args.log_file, extra)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

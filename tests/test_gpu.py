@@ -1,27 +1,90 @@
-"""The GPU path: KIND_GPU instances, inputs arriving on the device over DLPack, torch and ORT-CUDA engines."""
+"""The GPU path on a real GPU: staging, precisions, CUDA graphs per bucket, served through tritonserver.
+
+Skipped where torch sees no CUDA device (CI has none). gRPC client: the GPU machine has no
+geventhttpclient for tritonclient.http.
+"""
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
-import tritonclient.http as httpclient
+import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2 as mc
 
+from backends.batch_runner import PRECISIONS, BatchRunner
 from builder.config import read_config
 from builder.serve import TritonServer, free_port
-from conftest import SMALL, build, reference_logits, relative_error
+from conftest import SMALL, build, reference_logits, reference_model, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device here: the GPU path needs one (CI has none)")
+# fp32 convolutions run on TF32 tensor cores (torch's default); fp16/bf16 keep ~3/2 significant digits.
+TOLERANCE = {"fp32": 1e-2, "fp16": 2e-2, "bf16": 8e-2}
 
 
-@pytest.mark.parametrize("engine", ["torch", "onnxruntime"])
-def test_gpu_instance_serves_eager_logits_when_kind_is_gpu(tmp_path, small_model, engine):
+def _infer(url: str, model: str, images: np.ndarray) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(url)
+    tensor = grpcclient.InferInput("IMAGE", list(images.shape), "FP32")
+    tensor.set_data_from_numpy(images)
+    return client.infer(model, [tensor]).as_numpy("LOGITS")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_gpu_runner_graph_rows_equal_eager_when_batch_pads_to_a_bucket(precision):
+    device = torch.device("cuda", 0)
+    model = reference_model(SMALL).to(device, memory_format=torch.channels_last)
+    model = model.to(PRECISIONS[precision])
+    runner = BatchRunner(model, device, (3, 224, 224), precision, cuda_graphs=True, buckets=[1, 2, 4, 8])
+    runner.warm_up()
+    images = torch.from_numpy(np.random.default_rng(1).standard_normal((5, 3, 224, 224)).astype(np.float32))
+    # Mixed: two requests in CPU memory, one already on the GPU (as from the ensemble's preprocess).
+    parts = [images[:2], images[2:3].to(device), images[3:]]
+    graphed = runner.run(parts)
+    eager = BatchRunner(model, device, (3, 224, 224), precision, cuda_graphs=False, buckets=[5])
+    eager.warm_up()
+    unpadded = eager.run([images])
+    assert graphed.device.type == "cpu" and graphed.dtype == torch.float32 and graphed.shape == (5, 1000)
+    assert runner.cuda_graphs and set(runner._graphs) == {1, 2, 4, 8}
+    # Padding rows do not leak into real rows: graphed (padded to 8) equals eager (batch of 5).
+    assert relative_error(graphed.numpy(), unpadded.numpy()) <= 1e-3
+    reference = reference_logits(reference_model(SMALL), images.numpy())
+    assert relative_error(graphed.numpy(), reference) <= TOLERANCE[precision]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_gpu_server_returns_each_request_its_rows_when_batches_pad(tmp_path, small_model, precision):
     repo = tmp_path / "repo"
-    build(repo, "--max-batch-size", "8", "--engine", engine, "--kind", "gpu")  # the later --kind wins
-    assert read_config(repo / SMALL).instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
-    images = np.random.default_rng(0).standard_normal((4, 3, 224, 224)).astype(np.float32)
+    build(repo, "--kind", "gpu", "--max-batch-size", "16", "--precision", precision)  # the later --kind wins
+    config = read_config(repo / SMALL)
+    assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert config.parameters["cuda_graphs"].string_value == "1"
+    rng = np.random.default_rng(0)
+    requests = [rng.standard_normal((n, 3, 224, 224)).astype(np.float32) for n in (1, 3, 2, 5, 1, 4, 7, 1)]
     with TritonServer(repo, free_port(), free_port(), free_port()) as server:
-        client = httpclient.InferenceServerClient(server.http_url)
-        tensor = httpclient.InferInput("IMAGE", list(images.shape), "FP32")
-        tensor.set_data_from_numpy(images)
-        served = client.infer(SMALL, [tensor]).as_numpy("LOGITS")
-    assert relative_error(served, reference_logits(small_model, images)) <= 1e-3  # TF32/cuDNN tolerance
+        with ThreadPoolExecutor(len(requests)) as pool:
+            served = list(pool.map(lambda x: _infer(server.grpc_url, SMALL, x), requests))
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        stats = client.get_inference_statistics(SMALL, as_json=True)["model_stats"][0]
+        assert client.is_server_ready()
+    for images, logits in zip(requests, served):
+        assert logits.shape == (images.shape[0], 1000)
+        assert relative_error(logits, reference_logits(small_model, images)) <= TOLERANCE[precision]
+    assert int(stats["inference_count"]) == sum(len(r) for r in requests)
+
+
+def test_gpu_onnxruntime_engine_loads_only_with_a_real_cuda_provider(tmp_path, small_model):
+    import onnxruntime
+
+    repo = tmp_path / "repo"
+    build(repo, "--kind", "gpu", "--engine", "onnxruntime", "--max-batch-size", "8")
+    server = TritonServer(repo, free_port(), free_port(), free_port())
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        # The CPU wheel must not quietly serve a GPU config from a CPU session.
+        with pytest.raises(Exception, match="CUDA execution provider"):
+            server.start()
+        server.stop()
+        return
+    images = np.random.default_rng(0).standard_normal((4, 3, 224, 224)).astype(np.float32)
+    with server:
+        served = _infer(server.grpc_url, SMALL, images)
+    assert relative_error(served, reference_logits(small_model, images)) <= TOLERANCE["fp32"]

@@ -1,0 +1,281 @@
+"""GPU benchmark: served img/s vs the same runner in-process, per precision and CUDA graphs, and JPEGs.
+
+Clients are processes sending one image per gRPC request; tensors travel through system shared memory
+(registered with Triton) so that Python clients do not starve an H100. JPEGs go as BYTES over gRPC.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from builder.cliutil import OneLineParser
+
+INPUT, OUTPUT = "IMAGE", "LOGITS"
+
+
+def parser():
+    p = OneLineParser(prog="python -m clients.gpu_bench", description=__doc__)
+    p.add_argument("--model", default="resnet152", help="torchvision model. Default: resnet152.")
+    p.add_argument("--parts", nargs="+", default=["tensor", "unbatched", "jpeg"],
+                   choices=("tensor", "unbatched", "jpeg"), help="what to measure. Default: all.")
+    p.add_argument("--variants", nargs="+", default=["fp32:1", "fp16:1", "bf16:1", "fp32:0", "fp16:0"],
+                   help="PRECISION:GRAPHS pairs for the tensor path. Default: fp32:1 fp16:1 bf16:1 fp32:0 fp16:0.")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256],
+                   help="requests in flight (one image each). Default: 1 64 256.")
+    p.add_argument("--seconds", type=float, default=8.0, help="measurement per point. Default: 8.")
+    p.add_argument("--processes", type=int, default=8, help="client processes. Default: 8.")
+    p.add_argument("--jpeg", type=Path, default=Path("clients/samples/chelsea.jpg"),
+                   help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
+    p.add_argument("--output", type=Path, default=Path("bench/results/gpu-resnet152.json"),
+                   help="JSON written (and rewritten after every point). Default: bench/results/gpu-resnet152.json.")
+    return p
+
+
+def _client_process(url, model, kind, payload, threads, start, end, warmup, queue):
+    """`threads` closed-loop clients; puts [(done, latency, ok), ...] measured in [start+warmup, end]."""
+    import tritonclient.grpc as grpcclient
+    from multiprocessing import shared_memory
+
+    results, lock, regions = [], threading.Lock(), []
+
+    def worker(index):
+        client = grpcclient.InferenceServerClient(url)
+        if kind == "jpeg":
+            tensor = grpcclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+            tensor.set_data_from_numpy(np.array([[payload]], dtype=object))
+        else:
+            shape, name = payload["shape"], f"bench_{mp.current_process().pid}_{index}"
+            image = np.random.default_rng(index).standard_normal(shape).astype(np.float32)
+            region = shared_memory.SharedMemory(name=name, create=True, size=image.nbytes)
+            regions.append(region)
+            np.ndarray(shape, np.float32, region.buf)[...] = image
+            client.register_system_shared_memory(name, "/" + name, image.nbytes)
+            tensor = grpcclient.InferInput(INPUT, list(shape), "FP32")
+            tensor.set_shared_memory(name, image.nbytes)
+        while time.monotonic() < start:
+            time.sleep(0.001)
+        local = []
+        while True:
+            sent = time.monotonic()
+            if sent >= end:
+                break
+            try:
+                client.infer(model, [tensor])
+                ok = True
+            except Exception as exc:
+                ok = str(exc)[:300]
+            done = time.monotonic()
+            if start + warmup <= done <= end:
+                local.append((done, done - sent, ok))
+        with lock:
+            results.extend(local)
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join()
+    client = grpcclient.InferenceServerClient(url)
+    for region in regions:  # after every thread's last request: Triton refuses to drop a region in use
+        for _ in range(20):
+            try:
+                client.unregister_system_shared_memory(region.name.lstrip("/"))
+                break
+            except Exception:  # 2.51 may hold a finished request's region a moment longer
+                time.sleep(0.1)
+        region.close()
+        region.unlink()
+    queue.put(results)
+
+
+def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=2.0) -> dict:
+    import tritonclient.grpc as grpcclient
+
+    ctx = mp.get_context("spawn")  # gRPC and fork do not mix
+    queue = ctx.Queue()
+    procs = min(processes, concurrency)
+    shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    start = time.monotonic() + 6.0  # spawn + imports + shared memory registration
+    end = start + warmup + seconds
+    workers = [ctx.Process(target=_client_process, args=(url, model, kind, payload, n, start, end, warmup, queue))
+               for n in shares]
+    for w in workers:
+        w.start()
+    stats = grpcclient.InferenceServerClient(url)
+    target = model if kind != "jpeg" else model.removesuffix("_image")
+    time.sleep(max(0.0, start + warmup - time.monotonic()))
+    before = _stats(stats, target)
+    completions = [c for _ in workers for c in queue.get()]
+    after = _stats(stats, target)
+    for w in workers:
+        w.join()
+    good = sorted(done for done, _, ok in completions if ok is True)
+    lat = np.array([latency for _, latency, ok in completions if ok is True] or [np.nan]) * 1000
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    successes = max(after["success"] - before["success"], 1)
+    # Triton's own split of each request's time (per request, ms): where a slow point spends it.
+    server = {f"{stage}_ms": (after[stage] - before[stage]) / successes / 1e6 for stage in STAGES}
+    return {"concurrency": concurrency, "requests": len(good), "errors": len(completions) - len(good),
+            "images_per_s": (len(good) - 1) / (good[-1] - good[0]) if len(good) > 1 else 0.0,
+            "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
+            "avg_batch": inferences / executions if executions else 0.0, **server,
+            "first_error": next((err for _, _, err in completions if err is not True), "")}
+
+
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+def _stats(client, model) -> dict:
+    s = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    stats = s.get("inference_stats", {})
+    out = {"inference_count": int(s.get("inference_count", 0)), "execution_count": int(s.get("execution_count", 0)),
+           "success": int(stats.get("success", {}).get("count", 0))}
+    out.update({stage: int(stats.get(stage, {}).get("ns", 0)) for stage in STAGES})
+    return out
+
+
+def reload(client, model, base, **changes) -> None:
+    config = json.loads(json.dumps(base))
+    for key, value in changes.pop("parameters", {}).items():
+        config.setdefault("parameters", {})[key] = {"string_value": str(value)}
+    config.update(changes)
+    if config.get("max_batch_size", 0) == 0:
+        config.pop("dynamic_batching", None)
+    client.load_model(model, config=json.dumps(config))
+    if not client.is_model_ready(model):
+        raise RuntimeError(f"{model} not ready after reload with {changes}")
+
+
+class InProcess:
+    """The backend's own runner (same engine, precision, graphs, buckets) fed CPU tensors, on the GPU."""
+
+    def __init__(self, model_dir: Path, params: dict, max_batch: int):
+        import torch
+
+        from backends.classifier import build_runner
+
+        self.runner = build_runner(model_dir / "1", params, torch.device("cuda", 0), max_batch, (3, 224, 224))
+        self.runner.warm_up()
+
+    def measure(self, batch: int, seconds: float = 3.0) -> float:
+        import torch
+
+        images = torch.from_numpy(np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32))
+        parts = list(images.split(1))  # one tensor per request, as the server hands them over
+        self.runner.run(parts)
+        done, begin = 0, time.perf_counter()
+        while time.perf_counter() - begin < seconds:
+            self.runner.run(parts)
+            done += 1
+        return batch * done / (time.perf_counter() - begin)
+
+    def close(self) -> None:
+        import torch
+
+        self.runner = None
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    import torch
+    import tritonclient.grpc as grpcclient
+
+    from builder import cli as build_repo
+    from builder.serve import TritonServer, free_port
+
+    args = parser().parse_args(argv)
+    repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
+    if build_repo.main(["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", "gpu"]):
+        return 1
+    result = {"command": " ".join(["python -m clients.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
+              "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": args.model,
+              "client": f"{args.processes} processes, gRPC, one image per request, tensors via system shared memory",
+              "seconds_per_point": args.seconds, "tensor": [], "unbatched": [], "jpeg": []}
+
+    def save():
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(result, indent=2) + "\n")
+
+    server = TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit")
+    server.start()
+    try:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        base = client.get_model_config(args.model, as_json=True)["config"]
+        max_batch = int(base["max_batch_size"])
+        params = {k: v["string_value"] for k, v in base["parameters"].items()}
+        shape = {"shape": [1, 3, 224, 224]}
+        best = None
+        for variant in args.variants if "tensor" in args.parts else []:
+            precision, graphs = variant.split(":")
+            change = {"precision": precision, "cuda_graphs": graphs}
+            t = time.monotonic()
+            reload(client, args.model, base, parameters=change)
+            entry = {"precision": precision, "cuda_graphs": graphs == "1", "reload_s": time.monotonic() - t,
+                     "points": []}
+            result["tensor"].append(entry)
+            local = InProcess(repo / args.model, {**params, **change}, max_batch)
+            for c in args.concurrency:
+                point = run_load(server.grpc_url, args.model, "tensor", shape, c, args.seconds, args.processes)
+                point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])))
+                point["served_over_inprocess"] = point["images_per_s"] / point["inprocess_images_per_s"]
+                entry["points"].append(point)
+                print(json.dumps({"variant": variant, **point}), flush=True)
+                save()
+                if best is None or point["images_per_s"] > best[1]["images_per_s"]:
+                    best = (change, point)
+            local.close()
+        if best:
+            result["served_images_per_s"] = best[1]["images_per_s"]
+            result["best"] = {**best[0], "concurrency": best[1]["concurrency"], "avg_batch": best[1]["avg_batch"]}
+            result["served_over_inprocess"] = best[1]["served_over_inprocess"]
+            reload(client, args.model, base, parameters=best[0])
+        if "unbatched" in args.parts:
+            change = best[0] if best else {}
+            reload(client, args.model, base, max_batch_size=0, parameters=change)
+            c = max(args.concurrency)
+            point = run_load(server.grpc_url, args.model, "tensor", {"shape": [3, 224, 224]}, c, args.seconds,
+                             args.processes)
+            result["unbatched"].append({**change, **point})
+            print(json.dumps({"unbatched": True, **point}), flush=True)
+            batched = [p for e in result["tensor"] if best and e["precision"] == best[0]["precision"]
+                       and e["cuda_graphs"] == (best[0]["cuda_graphs"] == "1") for p in e["points"]
+                       if p["concurrency"] == c]
+            if batched:
+                result["batched_over_unbatched"] = batched[0]["images_per_s"] / point["images_per_s"]
+            reload(client, args.model, base, parameters=change)
+            save()
+        if "jpeg" in args.parts:
+            pre = f"{args.model}_preprocess"
+            pre_base = client.get_model_config(pre, as_json=True)["config"]
+            client.load_model(f"{args.model}_image")  # an ensemble fails while its classifier runs unbatched
+            payload = args.jpeg.read_bytes()
+            result["jpeg_file"] = f"{args.jpeg.name} ({len(payload)} bytes)"
+            for where in ("gpu", "cpu"):
+                reload(client, pre, pre_base, parameters={"decode_device": where})
+                for c in args.concurrency:
+                    point = run_load(server.grpc_url, f"{args.model}_image", "jpeg", payload, c, args.seconds,
+                                     args.processes)
+                    result["jpeg"].append({"decode": where, **point})
+                    print(json.dumps({"jpeg": where, **point}), flush=True)
+                    save()
+            tensor_best = result.get("served_images_per_s")
+            gpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "gpu"), default=0)
+            if tensor_best:
+                result["jpeg_gpu_over_tensor"] = gpu_best / tensor_best
+    finally:
+        server.stop()
+        save()
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

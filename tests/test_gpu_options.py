@@ -1,0 +1,86 @@
+"""GPU options decided on any machine: build-repo's GPU defaults and checks, serve-repo's GPU flags, buckets."""
+import pytest
+import torch
+from tritonclient.grpc import model_config_pb2 as mc
+
+from backends.batch_runner import BatchRunner, _rows, buckets_for, parse_buckets
+from builder import cli as build_repo
+from builder.config import read_config
+from builder.serve import GPU_FLAGS, TritonServer, uses_gpu
+from conftest import SMALL, build
+
+
+def test_buckets_cover_every_batch_when_max_is_not_a_power_of_two():
+    assert buckets_for(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert buckets_for(24) == [1, 2, 4, 8, 16, 24]
+    assert parse_buckets("8,1,4", 12) == [1, 4, 8, 12]
+    with pytest.raises(ValueError, match="positive"):
+        parse_buckets("0,4", 8)
+
+
+def test_rows_split_parts_when_a_batch_exceeds_the_largest_bucket():
+    parts = [torch.arange(3), torch.arange(3, 8), torch.arange(8, 10)]
+    chunks = [_rows(parts, start, 4) for start in (0, 4, 8)]
+    assert [torch.cat(c).tolist() for c in chunks] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_runner_refuses_half_precision_when_instance_is_cpu():
+    with pytest.raises(ValueError, match="needs a GPU"):
+        BatchRunner(torch.nn.Identity(), torch.device("cpu"), (3, 4, 4), "fp16")
+
+
+def test_runner_cpu_rows_equal_the_model_when_parts_are_concatenated():
+    model = torch.nn.Conv2d(3, 2, 1).eval()
+    runner = BatchRunner(model, torch.device("cpu"), (3, 4, 4))
+    parts = [torch.randn(2, 3, 4, 4), torch.randn(1, 3, 4, 4)]
+    with torch.inference_mode():
+        expected = model(torch.cat(parts))
+    assert torch.allclose(runner.run(parts), expected, atol=1e-6)
+
+
+def test_build_repo_writes_gpu_defaults_when_kind_is_gpu(tmp_path):
+    build(tmp_path, "--kind", "gpu")  # writing a GPU config needs no GPU
+    config = read_config(tmp_path / SMALL)
+    assert config.max_batch_size == 64
+    assert list(config.dynamic_batching.preferred_batch_size) == [1, 2, 4, 8, 16, 32, 64]
+    assert config.dynamic_batching.max_queue_delay_microseconds == 200
+    assert (config.instance_group[0].kind, config.instance_group[0].count) == (mc.ModelInstanceGroup.KIND_GPU, 2)
+    params = {k: v.string_value for k, v in config.parameters.items()}
+    assert params["engine"] == "torch" and params["cuda_graphs"] == "1" and params["precision"] == "fp32"
+    assert params["batch_buckets"] == "1,2,4,8,16,32,64"
+    assert (tmp_path / SMALL / "1" / "batch_runner.py").is_file()
+    pre = read_config(tmp_path / f"{SMALL}_preprocess")
+    assert pre.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert pre.parameters["decode_device"].string_value == "auto"
+    assert uses_gpu(tmp_path)
+
+
+def test_build_repo_keeps_cpu_defaults_when_kind_is_cpu(tmp_path):
+    build(tmp_path)
+    config = read_config(tmp_path / SMALL)
+    assert (config.max_batch_size, config.instance_group[0].count) == (8, 1)
+    assert config.parameters["cuda_graphs"].string_value == "0"
+    assert not uses_gpu(tmp_path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kind", "cpu", "--precision", "fp16"], "needs --kind gpu"),
+    (["--kind", "gpu", "--engine", "onnxruntime", "--precision", "bf16"], "needs --engine torch"),
+    (["--kind", "gpu", "--engine", "onnxruntime", "--cuda-graphs"], "--cuda-graphs needs"),
+    (["--kind", "gpu", "--max-batch-size", "16", "--batch-buckets", "32"], "exceeds"),
+])
+def test_build_repo_refuses_gpu_options_when_they_cannot_work(tmp_path, capsys, args, message):
+    assert build_repo.main(["--model", SMALL, "--weights", "random", "--output", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_serve_repo_adds_gpu_flags_unless_passed_through_when_repository_has_gpu_models(tmp_path):
+    build(tmp_path / "repo", "--kind", "gpu")
+    mine = "--cuda-memory-pool-byte-size=0:1073741824"
+    server = TritonServer(tmp_path / "repo", 1, 2, 3, extra_args=[mine, "--log-verbose=1"])
+    server._workdir = tmp_path / "work"
+    command = server.command()
+    assert command[-2:] == [mine, "--log-verbose=1"]
+    assert GPU_FLAGS[0] not in command and all(flag in command for flag in GPU_FLAGS[1:])
