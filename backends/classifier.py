@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torchvision
-from torch.utils.dlpack import to_dlpack
 try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton, e.g. by clients.bench to run the very same engine in-process
@@ -34,6 +33,10 @@ class TritonPythonModel:
         self.batched = max_batch > 0
         self.engine_name = params.get("engine", "torch")
         threads = int(params.get("num_threads", "0") or 0)
+        if threads == 0 and self.device.type == "cuda":
+            # The CPU only copies rows here; torch's default (one thread per core) in every stub would
+            # have 16 OpenMP threads per instance spinning against Triton's and the clients' threads.
+            threads = 1
         if threads > 0:
             torch.set_num_threads(threads)
         self.runner = build_runner(Path(args["model_repository"]) / args["model_version"], params,
@@ -66,10 +69,10 @@ class TritonPythonModel:
         tensor = pb_utils.get_input_tensor_by_name(request, INPUT)
         if tensor is None:
             raise ValueError(f"request has no input {INPUT!r}")
-        # DLPack shares Triton's buffer, wherever it is: HTTP/gRPC inputs arrive in CPU memory even on a
-        # GPU instance (python_backend copies them to the GPU only for CUDA shared memory or an ensemble
-        # step on the GPU); the runner stages CPU rows once per batch.
-        image = torch.from_dlpack(tensor.to_dlpack())
+        # Shared, not copied, wherever it is: HTTP/gRPC inputs arrive in CPU memory even on a GPU
+        # instance (python_backend hands over GPU memory only for CUDA shared memory or a GPU ensemble
+        # step); the runner stages CPU rows once per batch.
+        image = torch.from_numpy(tensor.as_numpy()) if tensor.is_cpu() else torch.from_dlpack(tensor.to_dlpack())
         if not self.batched:
             image = image.unsqueeze(0)
         if image.dim() != 1 + len(self.sample_shape) or tuple(image.shape[1:]) != self.sample_shape:
@@ -205,8 +208,8 @@ class _OnnxRuntime:
 
 
 def _response(logits: torch.Tensor):
-    # Splits of one contiguous batch are contiguous views: DLPack shares them without a copy.
-    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(OUTPUT, to_dlpack(logits.contiguous()))])
+    # Rows of the batch's CPU logits: a view, copied once into the response by python_backend.
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, logits.contiguous().numpy())])
 
 
 def _error(message: str, invalid: bool = False):

@@ -23,16 +23,18 @@ INPUT, OUTPUT = "IMAGE", "LOGITS"
 def parser():
     p = OneLineParser(prog="python -m clients.gpu_bench", description=__doc__)
     p.add_argument("--model", default="resnet152", help="torchvision model. Default: resnet152.")
-    p.add_argument("--parts", nargs="+", default=["tensor", "unbatched", "jpeg"],
-                   choices=("tensor", "unbatched", "jpeg"), help="what to measure. Default: all.")
-    p.add_argument("--variants", nargs="+", default=["fp32:1", "fp16:1", "bf16:1", "fp32:0", "fp16:0"],
-                   help="PRECISION:GRAPHS pairs for the tensor path. Default: fp32:1 fp16:1 bf16:1 fp32:0 fp16:0.")
+    p.add_argument("--plan", nargs="+", default=["fp16:1", "fp32:1", "jpeg", "unbatched", "bf16:1", "fp16:0", "fp32:0"],
+                   help="what to measure, in order: PRECISION:GRAPHS (tensor path, 1 = CUDA graphs), "
+                        "unbatched and jpeg (both with the best tensor config so far). "
+                        "Default: fp16:1 fp32:1 jpeg unbatched bf16:1 fp16:0 fp32:0.")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256],
                    help="requests in flight (one image each). Default: 1 64 256.")
     p.add_argument("--seconds", type=float, default=8.0, help="measurement per point. Default: 8.")
     p.add_argument("--processes", type=int, default=8, help="client processes. Default: 8.")
     p.add_argument("--jpeg", type=Path, default=Path("clients/samples/chelsea.jpg"),
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
+    p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
+                   help="cpu: a smoke run of this script without a GPU (plan items fp32:0 only). Default: gpu.")
     p.add_argument("--output", type=Path, default=Path("bench/results/gpu-resnet152.json"),
                    help="JSON written (and rewritten after every point). Default: bench/results/gpu-resnet152.json.")
     return p
@@ -95,14 +97,14 @@ def _client_process(url, model, kind, payload, threads, start, end, warmup, queu
     queue.put(results)
 
 
-def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=2.0) -> dict:
+def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=1.0) -> dict:
     import tritonclient.grpc as grpcclient
 
     ctx = mp.get_context("spawn")  # gRPC and fork do not mix
     queue = ctx.Queue()
     procs = min(processes, concurrency)
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
-    start = time.monotonic() + 6.0  # spawn + imports + shared memory registration
+    start = time.monotonic() + 5.0  # spawn + imports + shared memory registration
     end = start + warmup + seconds
     workers = [ctx.Process(target=_client_process, args=(url, model, kind, payload, n, start, end, warmup, queue))
                for n in shares]
@@ -157,12 +159,12 @@ def reload(client, model, base, **changes) -> None:
 class InProcess:
     """The backend's own runner (same engine, precision, graphs, buckets) fed CPU tensors, on the GPU."""
 
-    def __init__(self, model_dir: Path, params: dict, max_batch: int):
+    def __init__(self, model_dir: Path, params: dict, max_batch: int, device: str = "cuda"):
         import torch
 
         from backends.classifier import build_runner
 
-        self.runner = build_runner(model_dir / "1", params, torch.device("cuda", 0), max_batch, (3, 224, 224))
+        self.runner = build_runner(model_dir / "1", params, torch.device(device), max_batch, (3, 224, 224))
         self.runner.warm_up()
 
     def measure(self, batch: int, seconds: float = 3.0) -> float:
@@ -181,7 +183,67 @@ class InProcess:
         import torch
 
         self.runner = None
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _tensor_variant(item, client, server, repo, base, params, max_batch, args, result, best):
+    precision, graphs = item.split(":")
+    change = {"precision": precision, "cuda_graphs": graphs}
+    t = time.monotonic()
+    if result["tensor"] or any(params.get(k) != v for k, v in change.items()):  # the first is built so
+        reload(client, args.model, base, parameters=change)
+    entry = {"precision": precision, "cuda_graphs": graphs == "1", "reload_s": time.monotonic() - t, "points": []}
+    result["tensor"].append(entry)
+    local = InProcess(repo / args.model, {**params, **change}, max_batch, "cuda" if args.kind == "gpu" else "cpu")
+    for c in args.concurrency:
+        point = run_load(server.grpc_url, args.model, "tensor", {"shape": [1, 3, 224, 224]}, c, args.seconds,
+                         args.processes)
+        point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])))
+        point["served_over_inprocess"] = point["images_per_s"] / point["inprocess_images_per_s"]
+        entry["points"].append(point)
+        print(json.dumps({"variant": item, **point}), flush=True)
+        if best is None or point["images_per_s"] > best[1]["images_per_s"]:
+            best = (change, point)
+    local.close()
+    reload(client, args.model, base, parameters=best[0])
+    return best
+
+
+def _unbatched(client, server, base, best, args, result):
+    change = best[0] if best else {}
+    reload(client, args.model, base, max_batch_size=0, parameters=change)
+    c = max(args.concurrency)
+    point = run_load(server.grpc_url, args.model, "tensor", {"shape": [3, 224, 224]}, c, args.seconds, args.processes)
+    result["unbatched"].append({**change, **point})
+    print(json.dumps({"unbatched": True, **point}), flush=True)
+    batched = [p for e in result["tensor"] if best and e["precision"] == change["precision"]
+               and e["cuda_graphs"] == (change["cuda_graphs"] == "1") for p in e["points"] if p["concurrency"] == c]
+    if batched:
+        result["batched_over_unbatched"] = batched[0]["images_per_s"] / point["images_per_s"]
+    reload(client, args.model, base, parameters=change)
+    client.load_model(f"{args.model}_image")  # an ensemble fails while its classifier runs unbatched
+
+
+def _jpeg(client, server, base, best, args, result):
+    pre = f"{args.model}_preprocess"
+    pre_base = client.get_model_config(pre, as_json=True)["config"]
+    payload = args.jpeg.read_bytes()
+    result["jpeg_file"] = f"{args.jpeg.name} ({len(payload)} bytes)"
+    for where in ("gpu", "cpu"):
+        reload(client, pre, pre_base, parameters={"decode_device": where})
+        for c in args.concurrency:
+            point = run_load(server.grpc_url, f"{args.model}_image", "jpeg", payload, c, args.seconds, args.processes)
+            result["jpeg"].append({"decode": where, **(best[0] if best else {}), **point})
+            print(json.dumps({"jpeg": where, **point}), flush=True)
+    reload(client, pre, pre_base)
+    tensor_best = result.get("served_images_per_s")
+    gpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "gpu"), default=0)
+    cpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "cpu"), default=0)
+    if tensor_best:
+        result["jpeg_gpu_over_tensor"] = gpu_best / tensor_best
+    if cpu_best:
+        result["jpeg_gpu_over_cpu_decode"] = gpu_best / cpu_best
 
 
 def main(argv=None) -> int:
@@ -193,10 +255,12 @@ def main(argv=None) -> int:
 
     args = parser().parse_args(argv)
     repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
-    if build_repo.main(["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", "gpu"]):
+    first = next((item.split(":") for item in args.plan if ":" in item), ["fp32", "0"])
+    if build_repo.main(["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", args.kind,
+                        "--precision", first[0], "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
         return 1
     result = {"command": " ".join(["python -m clients.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
-              "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "model": args.model,
+              "device": torch.cuda.get_device_name(0) if args.kind == "gpu" else "cpu", "torch": torch.__version__, "model": args.model,
               "client": f"{args.processes} processes, gRPC, one image per request, tensors via system shared memory",
               "seconds_per_point": args.seconds, "tensor": [], "unbatched": [], "jpeg": []}
 
@@ -210,66 +274,19 @@ def main(argv=None) -> int:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         base = client.get_model_config(args.model, as_json=True)["config"]
         max_batch = int(base["max_batch_size"])
-        params = {k: v["string_value"] for k, v in base["parameters"].items()}
-        shape = {"shape": [1, 3, 224, 224]}
+        params = {k: v.get("string_value", "") for k, v in base["parameters"].items()}  # JSON drops ""
         best = None
-        for variant in args.variants if "tensor" in args.parts else []:
-            precision, graphs = variant.split(":")
-            change = {"precision": precision, "cuda_graphs": graphs}
-            t = time.monotonic()
-            reload(client, args.model, base, parameters=change)
-            entry = {"precision": precision, "cuda_graphs": graphs == "1", "reload_s": time.monotonic() - t,
-                     "points": []}
-            result["tensor"].append(entry)
-            local = InProcess(repo / args.model, {**params, **change}, max_batch)
-            for c in args.concurrency:
-                point = run_load(server.grpc_url, args.model, "tensor", shape, c, args.seconds, args.processes)
-                point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])))
-                point["served_over_inprocess"] = point["images_per_s"] / point["inprocess_images_per_s"]
-                entry["points"].append(point)
-                print(json.dumps({"variant": variant, **point}), flush=True)
-                save()
-                if best is None or point["images_per_s"] > best[1]["images_per_s"]:
-                    best = (change, point)
-            local.close()
-        if best:
-            result["served_images_per_s"] = best[1]["images_per_s"]
-            result["best"] = {**best[0], "concurrency": best[1]["concurrency"], "avg_batch": best[1]["avg_batch"]}
-            result["served_over_inprocess"] = best[1]["served_over_inprocess"]
-            reload(client, args.model, base, parameters=best[0])
-        if "unbatched" in args.parts:
-            change = best[0] if best else {}
-            reload(client, args.model, base, max_batch_size=0, parameters=change)
-            c = max(args.concurrency)
-            point = run_load(server.grpc_url, args.model, "tensor", {"shape": [3, 224, 224]}, c, args.seconds,
-                             args.processes)
-            result["unbatched"].append({**change, **point})
-            print(json.dumps({"unbatched": True, **point}), flush=True)
-            batched = [p for e in result["tensor"] if best and e["precision"] == best[0]["precision"]
-                       and e["cuda_graphs"] == (best[0]["cuda_graphs"] == "1") for p in e["points"]
-                       if p["concurrency"] == c]
-            if batched:
-                result["batched_over_unbatched"] = batched[0]["images_per_s"] / point["images_per_s"]
-            reload(client, args.model, base, parameters=change)
+        for item in args.plan:
+            if ":" in item:
+                best = _tensor_variant(item, client, server, repo, base, params, max_batch, args, result, best)
+                result["served_images_per_s"] = best[1]["images_per_s"]
+                result["served_over_inprocess"] = best[1]["served_over_inprocess"]
+                result["best"] = {**best[0], "concurrency": best[1]["concurrency"], "avg_batch": best[1]["avg_batch"]}
+            elif item == "unbatched":
+                _unbatched(client, server, base, best, args, result)
+            elif item == "jpeg":
+                _jpeg(client, server, base, best, args, result)
             save()
-        if "jpeg" in args.parts:
-            pre = f"{args.model}_preprocess"
-            pre_base = client.get_model_config(pre, as_json=True)["config"]
-            client.load_model(f"{args.model}_image")  # an ensemble fails while its classifier runs unbatched
-            payload = args.jpeg.read_bytes()
-            result["jpeg_file"] = f"{args.jpeg.name} ({len(payload)} bytes)"
-            for where in ("gpu", "cpu"):
-                reload(client, pre, pre_base, parameters={"decode_device": where})
-                for c in args.concurrency:
-                    point = run_load(server.grpc_url, f"{args.model}_image", "jpeg", payload, c, args.seconds,
-                                     args.processes)
-                    result["jpeg"].append({"decode": where, **point})
-                    print(json.dumps({"jpeg": where, **point}), flush=True)
-                    save()
-            tensor_best = result.get("served_images_per_s")
-            gpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "gpu"), default=0)
-            if tensor_best:
-                result["jpeg_gpu_over_tensor"] = gpu_best / tensor_best
     finally:
         server.stop()
         save()
