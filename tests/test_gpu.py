@@ -88,3 +88,34 @@ def test_gpu_onnxruntime_engine_loads_only_with_a_real_cuda_provider(tmp_path, s
     with server:
         served = _infer(server.grpc_url, SMALL, images)
     assert relative_error(served, reference_logits(small_model, images)) <= TOLERANCE["fp32"]
+
+
+def test_gpu_image_ensemble_decodes_on_gpu_and_isolates_bad_bytes_when_served(tmp_path, small_model):
+    import torchvision
+
+    from backends.preprocess import decode
+    from images import CAT, bad_images, good_images
+
+    repo = tmp_path / "repo"
+    build(repo, "--kind", "gpu", "--max-batch-size", "8")
+    assert read_config(repo / f"{SMALL}_preprocess").instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    blobs = {"jpeg": CAT.read_bytes(), "webp": good_images()["webp"], "truncated": bad_images()["truncated-jpeg"][0]}
+
+    def send(url, data):
+        client = grpcclient.InferenceServerClient(url)
+        tensor = grpcclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[data]], dtype=object))
+        return client.infer(f"{SMALL}_image", [tensor]).as_numpy("LOGITS")[0]
+
+    with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+        with ThreadPoolExecutor(3) as pool:
+            futures = {name: pool.submit(send, server.grpc_url, data) for name, data in blobs.items()}
+            with pytest.raises(Exception, match="truncated or corrupt"):
+                futures["truncated"].result()
+            served = {name: futures[name].result() for name in ("jpeg", "webp")}
+        assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()
+    weights_transform = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
+    for name in ("jpeg", "webp"):  # webp takes the PIL path on the GPU instance, jpeg nvJPEG
+        expected = reference_logits(small_model, weights_transform(decode(blobs[name])).unsqueeze(0).numpy())[0]
+        assert int(np.argmax(served[name])) == int(np.argmax(expected))
+        assert relative_error(served[name], expected) <= 5e-2  # TF32 + nvJPEG's IDCT vs libjpeg-turbo

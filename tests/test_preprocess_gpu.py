@@ -1,0 +1,94 @@
+"""NAME_preprocess's tensor path (nvJPEG on a GPU, torchvision's decoder on CPU here) vs its PIL path."""
+import io
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from backends.preprocess import ImageError, Preprocessor, decode
+from conftest import reference_model
+from images import CAT, bad_images, encode, good_images
+
+TRANSFORM = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
+CPU = torch.device("cpu")
+# Tensor path vs PIL path in normalized units (one uint8 level is 1/255/std ~= 0.0175). Measured on
+# the JPEGs below with torchvision's CPU decoder: max 0.0175, mean 0.0015-0.0032 (both paths round the
+# resized image to uint8 and differ by one level where their resizers round differently). nvJPEG's
+# IDCT is not bit-exact with libjpeg-turbo, so the GPU bound is looser (measured: README, GPU section).
+MAX_ABS_DIFF, MEAN_ABS_DIFF = 0.02, 0.005
+GPU_MAX_ABS_DIFF, GPU_MEAN_ABS_DIFF = 0.15, 0.02
+
+
+def _jpegs() -> dict[str, bytes]:
+    photo = Image.open(CAT).convert("RGB")
+    big = photo.resize((1600, 1064))
+    return {"cat": CAT.read_bytes(), "gray": encode(photo.convert("L"), "JPEG", quality=90),
+            "progressive": encode(photo, "JPEG", quality=85, progressive=True),
+            "large": encode(big, "JPEG", quality=90), "odd-size": encode(photo.crop((0, 0, 301, 199)), "JPEG")}
+
+
+def _pil_reference(data: bytes) -> torch.Tensor:
+    return TRANSFORM(decode(data))
+
+
+@pytest.mark.parametrize("name", list(_jpegs()))
+def test_tensor_path_matches_pil_path_when_jpeg_is_plain(name):
+    data = _jpegs()[name]
+    pre = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
+    assert pre.route(data) == "tensor"
+    (tensor,) = pre([data])
+    reference = _pil_reference(data)
+    assert tensor.shape == reference.shape == (3, 224, 224) and tensor.dtype == torch.float32
+    difference = (tensor - reference).abs()
+    assert difference.max() <= MAX_ABS_DIFF and difference.mean() <= MEAN_ABS_DIFF
+
+
+def test_tensor_path_keeps_top1_when_compared_with_pil_on_every_jpeg():
+    model = reference_model("resnet18")
+    jpegs = list(_jpegs().values())
+    pre = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
+    with torch.inference_mode():
+        fast = model(torch.stack(pre(jpegs))).argmax(1)
+        slow = model(torch.stack([_pil_reference(d) for d in jpegs])).argmax(1)
+    assert fast.tolist() == slow.tolist()
+
+
+@pytest.mark.parametrize("kind", ["grayscale-png", "rgba-png", "cmyk-jpeg", "exif-rotated-jpeg", "webp", "16bit-png"])
+def test_preprocess_takes_pil_path_when_tensor_decode_would_differ(kind):
+    data = good_images()[kind]
+    pre = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
+    assert pre.route(data) == "pil"
+    assert torch.equal(pre([data])[0], _pil_reference(data))
+
+
+def test_preprocess_gives_pil_path_error_when_jpeg_is_truncated():
+    data = CAT.read_bytes()[: len(CAT.read_bytes()) // 3]
+    pre = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
+    assert pre.route(data) == "pil"
+    (result,) = pre([data])
+    assert isinstance(result, ImageError) and "truncated or corrupt" in str(result)
+
+
+@pytest.mark.parametrize("kind", list(bad_images()))
+def test_bad_element_gets_its_error_and_neighbours_their_images_when_mixed(kind):
+    data, phrase = bad_images()[kind]
+    good = CAT.read_bytes()
+    pre = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
+    results = pre([good, data, good])
+    assert isinstance(results[1], ImageError) and phrase in str(results[1])
+    for result in (results[0], results[2]):
+        assert torch.equal(result, pre([good])[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: nvJPEG needs one (CI has none)")
+def test_gpu_decode_matches_cpu_tensor_path_when_device_is_cuda():
+    device = torch.device("cuda", 0)
+    jpegs = list(_jpegs().values()) + [good_images()["webp"]]
+    on_gpu = Preprocessor(TRANSFORM, device, tensor_decode=True)(jpegs)
+    on_cpu = Preprocessor(TRANSFORM, CPU, tensor_decode=True)(jpegs)
+    for gpu, cpu in zip(on_gpu, on_cpu):
+        assert gpu.device == device
+        difference = (gpu.cpu() - cpu).abs()
+        assert difference.max() <= GPU_MAX_ABS_DIFF and difference.mean() <= GPU_MEAN_ABS_DIFF
