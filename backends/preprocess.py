@@ -47,8 +47,9 @@ class TritonPythonModel:
             torch.set_num_threads(threads)
         # Built once: the exact transforms() of the weights the classifier was built for.
         transform = torchvision.models.get_weight(params["preprocess_weights"]).transforms()
-        on_device = device.type == "cuda" and params.get("decode_device", "auto") in ("auto", "gpu")
+        on_device = device.type == "cuda" and params.get("decode_device", "cpu") == "gpu"
         self.preprocess = Preprocessor(transform, device, tensor_decode=on_device)
+        self.gpu_output = params.get("output_device", "gpu") == "gpu"
 
     def execute(self, requests):
         elements, owners, responses = [], [], [None] * len(requests)
@@ -76,6 +77,8 @@ class TritonPythonModel:
         if bad is not None:  # the client's fault: INVALID_ARG (HTTP 400)
             return _error(f"{INPUT}[{bad[0]}]: {bad[1]}")
         batch = torch.stack(images) if self.batched else images[0]
+        if batch.device.type == "cuda" and not self.gpu_output:
+            batch = batch.cpu()
         if batch.device.type == "cuda":  # stays on the GPU for the classifier (Triton's CUDA pool)
             return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(OUTPUT, to_dlpack(batch))])
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, batch.numpy())])

@@ -70,9 +70,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-buckets", type=_positive, nargs="+",
                    help="batch sizes a GPU instance pads to and warms up (the max batch size is always one). "
                         "Default: powers of two up to the max batch size.")
-    p.add_argument("--decode-device", choices=("auto", "gpu", "cpu"), default="auto",
-                   help="where NAME_preprocess decodes JPEGs on a gpu instance; other formats always "
-                        "decode on the CPU. Default: auto (the instance's GPU).")
+    p.add_argument("--decode-device", choices=("cpu", "gpu"), default="cpu",
+                   help="gpu (with --kind gpu): NAME_preprocess runs on GPU instances, decodes JPEGs with nvJPEG "
+                        "and hands IMAGE over in GPU memory. EXPERIMENTAL: in our one served H100 run its stub "
+                        "died (README, GPU). cpu: decode on CPU instances. Default: cpu.")
     p.add_argument("--num-threads", type=_non_negative, default=0,
                    help="torch threads per CPU instance; 0 keeps torch's default. Default: 0.")
     p.add_argument("--formats", type=_formats, default=("python",),
@@ -145,6 +146,8 @@ def _options(args, kind: cfg.InstanceKind) -> Options:
     if preferred is None:
         preferred = list(buckets) if gpu and max_batch else []
     delay = default.max_queue_delay_us if args.max_queue_delay_us is None else args.max_queue_delay_us
+    if args.decode_device == "gpu" and not gpu:
+        raise cfg.ConfigError("--decode-device gpu needs --kind gpu")
     graphs = gpu and engine != "onnxruntime" if args.cuda_graphs is None else args.cuda_graphs
     if graphs and engine == "onnxruntime":
         raise cfg.ConfigError("--cuda-graphs needs --engine torch or torchscript")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ class Options:
     cuda_graphs: bool = False
     cudnn_benchmark: bool = True
     buckets: tuple[int, ...] = ()  # batch sizes a GPU instance pads to (and captures graphs for)
-    decode_device: str = "auto"  # NAME_preprocess on a GPU instance: auto/gpu decode JPEGs there, cpu never
+    decode_device: str = "cpu"  # gpu: NAME_preprocess on GPU instances decodes JPEGs there (experimental)
 
 
 def model_names(name: str, formats: tuple[str, ...]) -> list[str]:
@@ -120,9 +120,12 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     pre = f"{c.name}_preprocess"
     version = _model_dir(staging / pre, None)
     shutil.copyfile(BACKENDS / "preprocess.py", version / "model.py")
-    # Same kind as the classifier: on a GPU, JPEGs are decoded there and IMAGE stays in GPU memory
-    # between the two steps of the ensemble (Triton's CUDA memory pool), never crossing PCIe as floats.
-    _config(staging / pre, _image_bytes(), image, cfg.Format.PYTHON, options,
+    # decode_device gpu: JPEGs are decoded on the GPU and IMAGE stays in GPU memory between the two
+    # steps of the ensemble (Triton's CUDA memory pool). Otherwise decoding runs on CPU instances and
+    # the classifier stages the CPU tensors once per batch.
+    pre_kind = options.kind if options.decode_device == "gpu" else cfg.InstanceKind.CPU
+    pre_options = replace(options, kind=pre_kind)
+    _config(staging / pre, _image_bytes(), image, cfg.Format.PYTHON, pre_options,
             {"num_threads": str(options.num_threads), "decode_device": options.decode_device, **common})
 
     ensemble = f"{c.name}_image"

@@ -50,9 +50,16 @@ def test_build_repo_writes_gpu_defaults_when_kind_is_gpu(tmp_path):
     assert params["batch_buckets"] == "1,2,4,8,16,32,64"
     assert (tmp_path / SMALL / "1" / "batch_runner.py").is_file()
     pre = read_config(tmp_path / f"{SMALL}_preprocess")
-    assert pre.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
-    assert pre.parameters["decode_device"].string_value == "auto"
+    assert pre.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU  # nvJPEG decoding is opt-in
+    assert pre.parameters["decode_device"].string_value == "cpu"
     assert uses_gpu(tmp_path)
+
+
+def test_build_repo_puts_preprocess_on_gpu_when_decode_device_is_gpu(tmp_path):
+    build(tmp_path, "--kind", "gpu", "--decode-device", "gpu")
+    pre = read_config(tmp_path / f"{SMALL}_preprocess")
+    assert pre.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
+    assert pre.parameters["decode_device"].string_value == "gpu"
 
 
 def test_build_repo_keeps_cpu_defaults_when_kind_is_cpu(tmp_path):
@@ -68,6 +75,7 @@ def test_build_repo_keeps_cpu_defaults_when_kind_is_cpu(tmp_path):
     (["--kind", "gpu", "--engine", "onnxruntime", "--precision", "bf16"], "needs --engine torch"),
     (["--kind", "gpu", "--engine", "onnxruntime", "--cuda-graphs"], "--cuda-graphs needs"),
     (["--kind", "gpu", "--max-batch-size", "16", "--batch-buckets", "32"], "exceeds"),
+    (["--kind", "cpu", "--decode-device", "gpu"], "needs --kind gpu"),
 ])
 def test_build_repo_refuses_gpu_options_when_they_cannot_work(tmp_path, capsys, args, message):
     assert build_repo.main(["--model", SMALL, "--weights", "random", "--output", str(tmp_path), *args]) == 2

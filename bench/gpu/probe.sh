@@ -12,4 +12,3 @@ ldd $S/bin/tritonserver | grep "not found"
 python3 -c "import onnxruntime as o; print(o.__version__, o.get_available_providers())"
 python3 -m pip list 2>/dev/null | grep -iE "grpc|protobuf|numpy|pillow|gevent|rapidjson|nvidia-nvjpeg|nvjpeg"
 timeout 300 python3 bench/gpu/probe_speed.py
-timeout 200 python3 bench/gpu/probe_serve.py
