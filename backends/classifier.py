@@ -34,8 +34,10 @@ class TritonPythonModel:
         self.engine_name = params.get("engine", "torch")
         threads = int(params.get("num_threads", "0") or 0)
         if threads == 0 and self.device.type == "cuda":
-            # The CPU only copies rows here; torch's default (one thread per core) in every stub would
-            # have 16 OpenMP threads per instance spinning against Triton's and the clients' threads.
+            # The CPU only copies rows here; torch's default (one OpenMP thread per core in every stub)
+            # competes with Triton's and the clients' threads. With this, numpy outputs and pageable
+            # D2H, a served request on the H100 went from ~9 ms of overhead to ~1.5 ms (which of the
+            # three mattered was not isolated).
             threads = 1
         if threads > 0:
             torch.set_num_threads(threads)
