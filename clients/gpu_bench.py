@@ -30,6 +30,8 @@ def parser():
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256],
                    help="requests in flight (one image each). Default: 1 64 256.")
     p.add_argument("--seconds", type=float, default=8.0, help="measurement per point. Default: 8.")
+    p.add_argument("--images-per-request", type=int, default=1,
+                   help="images in each tensor-path request (fewer, larger requests). Default: 1.")
     p.add_argument("--processes", type=int, default=8, help="client processes. Default: 8.")
     p.add_argument("--jpeg", type=Path, default=Path("clients/samples/chelsea.jpg"),
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
@@ -118,6 +120,7 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
     after = _stats(stats, target)
     for w in workers:
         w.join()
+    rows = payload["shape"][0] if kind == "tensor" and len(payload["shape"]) == 4 else 1
     good = sorted(done for done, _, ok in completions if ok is True)
     lat = np.array([latency for _, latency, ok in completions if ok is True] or [np.nan]) * 1000
     inferences = after["inference_count"] - before["inference_count"]
@@ -126,7 +129,7 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
     # Triton's own split of each request's time (per request, ms): where a slow point spends it.
     server = {f"{stage}_ms": (after[stage] - before[stage]) / successes / 1e6 for stage in STAGES}
     return {"concurrency": concurrency, "requests": len(good), "errors": len(completions) - len(good),
-            "images_per_s": (len(good) - 1) / (good[-1] - good[0]) if len(good) > 1 else 0.0,
+            "images_per_s": rows * (len(good) - 1) / (good[-1] - good[0]) if len(good) > 1 else 0.0,
             "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
             "avg_batch": inferences / executions if executions else 0.0, **server,
             "first_error": next((err for _, _, err in completions if err is not True), "")}
@@ -197,8 +200,8 @@ def _tensor_variant(item, client, server, repo, base, params, max_batch, args, r
     result["tensor"].append(entry)
     local = InProcess(repo / args.model, {**params, **change}, max_batch, "cuda" if args.kind == "gpu" else "cpu")
     for c in args.concurrency:
-        point = run_load(server.grpc_url, args.model, "tensor", {"shape": [1, 3, 224, 224]}, c, args.seconds,
-                         args.processes)
+        point = run_load(server.grpc_url, args.model, "tensor", {"shape": [args.images_per_request, 3, 224, 224]},
+                         c, args.seconds, args.processes)
         point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])))
         point["served_over_inprocess"] = point["images_per_s"] / point["inprocess_images_per_s"]
         entry["points"].append(point)
@@ -265,7 +268,8 @@ def main(argv=None) -> int:
         return 1
     result = {"command": " ".join(["python -m clients.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name(0) if args.kind == "gpu" else "cpu", "torch": torch.__version__, "model": args.model,
-              "client": f"{args.processes} processes, gRPC, one image per request, tensors via system shared memory",
+              "client": f"{args.processes} processes, gRPC, {args.images_per_request} image(s) per tensor request, "
+                        "tensors via system shared memory",
               "seconds_per_point": args.seconds, "tensor": [], "unbatched": [], "jpeg": []}
 
     def save():
