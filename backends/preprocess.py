@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import warnings
 
 import numpy as np
@@ -181,7 +182,11 @@ def open_checked(data: bytes) -> Image.Image:
     except UnidentifiedImageError:
         raise ImageError(f"not an image in a known format ({len(data)} bytes starting {data[:8]!r})") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ImageError(f"decompression bomb refused: {exc}") from None
+        # PIL's text names its own hard limit (twice ours) for the largest bombs: say ours.
+        claimed = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{int(claimed.group(1)):,} pixels" if claimed else "its size"
+        raise ImageError(f"decompression bomb refused: the header claims {size}, more than max_pixels "
+                         f"{Image.MAX_IMAGE_PIXELS:,}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         raise ImageError(f"truncated or corrupt image: {exc}") from None
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 from builder.cliutil import OneLineParser
 from builder import config as cfg
-from builder.repository import ENGINES, BuildError, Options, build, check_free
+from builder.repository import ENGINES, BuildError, Options, build, check_free, check_writable
 from builder.weights import WEIGHT_CHOICES, WeightsError, classification_models, load_classifier
 
 FORMATS = ("python", "onnx", "torchscript")
@@ -114,15 +115,25 @@ def main(argv: list[str] | None = None) -> int:
     except cfg.ConfigError as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 2
+    # SIGTERM ends the build like Ctrl-C: through build()'s cleanup, leaving no staging folder.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         check_free(args.output, args.model, args.formats, args.force)  # before the slow part
+        check_writable(args.output)
         classifier = load_classifier(args.model, args.weights, args.seed)
         for path in build(classifier, args.output, options, force=args.force):
             print(f"wrote {path}")
     except (BuildError, WeightsError, cfg.ConfigError) as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("build-repo: interrupted; nothing was written", file=sys.stderr)
+        return 130
     return 0
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _options(args, kind: cfg.InstanceKind) -> Options:

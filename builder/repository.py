@@ -1,8 +1,12 @@
 """Write a classifier's model directories (classifier, preprocess, ensemble, exports) atomically."""
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import tempfile
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,16 +55,61 @@ def check_free(output: Path, name: str, formats: tuple[str, ...], force: bool) -
     return names
 
 
+def check_writable(output: Path) -> None:
+    """Make `output` and prove a staging folder can be made beside it, before the slow part."""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        # A name no stale-staging sweep or watcher mistakes for a build; removed even if interrupted.
+        probe = Path(tempfile.mkdtemp(prefix=f".{output.resolve().name}-probe-", dir=output.resolve().parent))
+        probe.rmdir()
+    except OSError as exc:
+        raise BuildError(f"cannot write the repository {output}: {exc.strerror or exc}") from None
+
+
+def remove_stale_staging(output: Path) -> list[Path]:
+    """Staging folders of builds whose process is gone (killed -9, aborted): nothing else removes them."""
+    removed = []
+    for folder in output.resolve().parent.glob(f".{output.resolve().name}-build-*"):
+        pid = folder.name.rsplit("-build-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGINT/SIGTERM until the block ends. An exception raised inside a native exporter's
+    callback (ONNX) aborts the process (exit 134), skipping every cleanup; raised right after the
+    block, it ends the build through its cleanup. (Masking the signal is not enough: any of the
+    exporter's threads may take it.)"""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
+        yield
+        return
+    caught = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def build(classifier: Classifier, output: Path, options: Options, force: bool = False,
           report=print) -> list[Path]:
     """Write every model directory into a staging folder, verify, then move them into place."""
     names = check_free(output, classifier.name, options.formats, force)
-    output.mkdir(parents=True, exist_ok=True)
+    check_writable(output)
+    remove_stale_staging(output)
     # The staging folder sits beside the repository (same filesystem: rename is atomic) but not
     # inside it, so a server watching the repository never sees a half-written model.
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.resolve().name}-build-", dir=output.resolve().parent))
+    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(output), dir=output.resolve().parent))
     try:
-        artifacts = _export(classifier, staging / "exports", options)
+        with signals_deferred():
+            artifacts = _export(classifier, staging / "exports", options)
         if options.verify:
             errors = export.verify(classifier.module, artifacts, crop_size(classifier.preprocess))
             report(export.error_table(errors))
@@ -156,6 +205,20 @@ def _config(model_dir: Path, inp: cfg.Tensor, out: cfg.Tensor, fmt: cfg.Format, 
     spec = cfg.ModelSpec(name=model_dir.name, inputs=(inp,), outputs=(out,), format=fmt, batching=options.batching,
                          kind=options.kind, instances=options.instances, parameters=parameters, steps=steps)
     cfg.write_config(spec.to_proto(), model_dir)
+
+
+def _staging_prefix(output: Path) -> str:
+    return f".{output.resolve().name}-build-{os.getpid()}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def _swap_in(built: Path, target: Path) -> Path:

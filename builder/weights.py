@@ -83,8 +83,9 @@ def _from_file(name: str, path: Path, default: Weights) -> Classifier:
         raise WeightsError(f"--weights {str(path)!r} is neither {'/'.join(WEIGHT_CHOICES)} nor a file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise WeightsError(f"cannot read state_dict from {path}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # torch's unpickling errors run to a dozen lines: keep the first
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise WeightsError(f"cannot read a state_dict from {path}: {type(exc).__name__}: {first}") from exc
     if not isinstance(state, dict):
         raise WeightsError(f"{path} holds a {type(state).__name__}, not a state_dict")
     return _with_state(name, state, str(path), default, pretrained=True)
