@@ -56,6 +56,17 @@ def parser() -> argparse.ArgumentParser:
                        help="the same in milliseconds (TorchServe: max_batch_delay). Default: unset.")
     p.add_argument("--preferred-batch-size", type=_positive, nargs="+",
                    help="batch sizes the batcher prefers to send. Default: none (cpu), the batch buckets (gpu).")
+    p.add_argument("--max-queue-size", type=_non_negative, default=0,
+                   help="requests that may wait for a batch; more are rejected at once (HTTP 503-like "
+                        "UNAVAILABLE). 0 is unbounded. Default: 0.")
+    p.add_argument("--queue-timeout-ms", type=_delay_ms, default=0,
+                   help="longest a request may wait in the queue before --timeout-action; 0: no timeout. "
+                        "Default: 0.")
+    p.add_argument("--timeout-action", choices=("reject", "delay"), default="reject",
+                   help="what a timed-out request gets: reject (an error) or delay (served after the others). "
+                        "Default: reject.")
+    p.add_argument("--allow-timeout-override", action="store_true",
+                   help="let requests carry a shorter timeout of their own. Default: off.")
     p.add_argument("--instances", type=_positive,
                    help=f"model instances (stub processes). Default: {cpu.instances} (cpu), {gpu.instances} (gpu).")
     p.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
@@ -162,7 +173,11 @@ def _options(args, kind: cfg.InstanceKind) -> Options:
     graphs = gpu and engine != "onnxruntime" if args.cuda_graphs is None else args.cuda_graphs
     if graphs and engine == "onnxruntime":
         raise cfg.ConfigError("--cuda-graphs needs --engine torch or torchscript")
-    return Options(cfg.Batching(max_batch, delay if max_batch else 0, tuple(preferred)), kind,
+    queue = None
+    if args.max_queue_size or args.queue_timeout_ms or args.allow_timeout_override or args.timeout_action != "reject":
+        queue = cfg.QueuePolicy(args.max_queue_size, args.queue_timeout_ms, args.timeout_action.upper(),
+                                args.allow_timeout_override)
+    return Options(cfg.Batching(max_batch, delay if max_batch else 0, tuple(preferred), queue), kind,
                    args.instances or default.instances, args.num_threads, engine, args.formats, args.verify,
                    args.precision, bool(graphs and gpu), args.cudnn_benchmark, buckets, args.decode_device)
 

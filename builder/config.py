@@ -88,6 +88,7 @@ class Batching:
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queue_delay_us: int = DEFAULT_MAX_QUEUE_DELAY_US
     preferred_batch_sizes: tuple[int, ...] = ()
+    queue: "QueuePolicy | None" = None  # Triton's default_queue_policy; None: unbounded, no timeout
 
     @property
     def dynamic(self) -> bool:
@@ -104,6 +105,28 @@ class Batching:
             if not 1 <= size <= self.max_batch_size:
                 raise ConfigError(f"`preferred_batch_size` {size} must be between 1 and "
                                   f"`max_batch_size` {self.max_batch_size}")
+        if self.queue is not None:
+            if not self.dynamic:
+                raise ConfigError("`default_queue_policy` needs dynamic batching: set `max_batch_size` >= 1")
+            self.queue.validate()
+
+
+@dataclass(frozen=True)
+class QueuePolicy:
+    """How long and how many requests may wait in the batcher's queue (Triton's ModelQueuePolicy)."""
+
+    max_queue_size: int = 0  # 0: unbounded
+    timeout_us: int = 0  # 0: no timeout
+    timeout_action: str = "REJECT"  # or DELAY: keep it, but behind every request that is on time
+    allow_timeout_override: bool = False  # let a request ask for a shorter timeout of its own
+
+    def validate(self) -> None:
+        if self.max_queue_size < 0:
+            raise ConfigError(f"`max_queue_size` must be >= 0 (0 is unbounded), got {self.max_queue_size}")
+        if self.timeout_us < 0:
+            raise ConfigError(f"`default_timeout_microseconds` must be >= 0, got {self.timeout_us}")
+        if self.timeout_action not in ("REJECT", "DELAY"):
+            raise ConfigError(f"`timeout_action` must be REJECT or DELAY, got {self.timeout_action!r}")
 
 
 @dataclass(frozen=True)
@@ -161,6 +184,12 @@ class ModelSpec:
         if self.batching.dynamic:
             config.dynamic_batching.max_queue_delay_microseconds = self.batching.max_queue_delay_us
             config.dynamic_batching.preferred_batch_size.extend(self.batching.preferred_batch_sizes)
+            if self.batching.queue is not None:
+                policy = config.dynamic_batching.default_queue_policy
+                policy.max_queue_size = self.batching.queue.max_queue_size
+                policy.default_timeout_microseconds = self.batching.queue.timeout_us
+                policy.timeout_action = mc.ModelQueuePolicy.TimeoutAction.Value(self.batching.queue.timeout_action)
+                policy.allow_timeout_override = self.batching.queue.allow_timeout_override
         if self.format == Format.ENSEMBLE:  # ensembles run no instances of their own
             for step in self.steps:
                 config.ensemble_scheduling.step.add(model_name=step.model_name, model_version=-1,

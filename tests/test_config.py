@@ -60,3 +60,22 @@ def test_config_sets_platform_not_backend_when_format_is_native(platform_format)
 def test_config_validate_names_the_field_when_a_value_is_invalid(changes, field):
     with pytest.raises(cfg.ConfigError, match=field.replace("(", r"\(")):
         _spec(**changes).validate()
+
+
+def test_queue_policy_round_trips_through_config_pbtxt_when_set(tmp_path):
+    queue = cfg.QueuePolicy(max_queue_size=64, timeout_us=250_000, timeout_action="DELAY", allow_timeout_override=True)
+    config = _spec(batching=cfg.Batching(8, 0, (), queue)).to_proto()
+    path = cfg.write_config(config, tmp_path)
+    policy = cfg.read_config(path).dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds, policy.allow_timeout_override) == (64, 250_000, True)
+    assert policy.timeout_action == mc.ModelQueuePolicy.DELAY
+
+
+@pytest.mark.parametrize("batching, message", [
+    (cfg.Batching(0, 0, (), cfg.QueuePolicy(max_queue_size=4)), "`default_queue_policy` needs dynamic batching"),
+    (cfg.Batching(8, 0, (), cfg.QueuePolicy(max_queue_size=-1)), "`max_queue_size`"),
+    (cfg.Batching(8, 0, (), cfg.QueuePolicy(timeout_action="DROP")), "`timeout_action`"),
+])
+def test_queue_policy_is_refused_with_the_field_named_when_invalid(batching, message):
+    with pytest.raises(cfg.ConfigError, match=message):
+        _spec(batching=batching).to_proto()

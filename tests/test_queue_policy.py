@@ -1,0 +1,40 @@
+"""A bounded queue (build-repo --max-queue-size): overflow is rejected at once, the rest answered."""
+import threading
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from builder.config import read_config
+from builder.serve import TritonServer, free_port
+from conftest import SMALL, build
+
+
+def test_bounded_queue_rejects_overflow_and_answers_the_rest_when_requests_burst(tmp_path):
+    repo = tmp_path / "repo"
+    build(repo, "--max-batch-size", "1", "--max-queue-size", "1", "--queue-timeout-ms", "60000")
+    policy = read_config(repo / SMALL).dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (1, 60_000_000)
+    images = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    outcomes, gate = [], threading.Barrier(12)
+    with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+        def send():
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            tensor = grpcclient.InferInput("IMAGE", list(images.shape), "FP32")
+            tensor.set_data_from_numpy(images)
+            gate.wait()
+            try:
+                outcomes.append(client.infer(SMALL, [tensor]).as_numpy("LOGITS").shape)
+            except Exception as exc:  # noqa: BLE001 - the outcome is what we check
+                outcomes.append(str(exc))
+        threads = [threading.Thread(target=send) for _ in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()
+    answered = [o for o in outcomes if o == (1, 1000)]
+    rejected = [o for o in outcomes if isinstance(o, str)]
+    assert len(outcomes) == 12 and len(answered) + len(rejected) == 12  # one answer each, nothing lost
+    # 12 requests at once, one ~20+ ms inference at a time, room for one waiting: most must bounce.
+    assert answered and rejected
+    assert all("queue size" in message.lower() for message in rejected), rejected[:2]
