@@ -1,70 +1,219 @@
-"""docker/ and docker/k8s/ files, checked here (no docker engine, no GPU, no cluster on our machines)."""
+"""docker/ and docker/k8s/ files, checked here: our machines have no docker engine, GPU or cluster."""
+import ast
 import re
 import subprocess
+import sys
 
 import pytest
 import yaml
 
-from conftest import ROOT
+from builder.serve import GPU_FLAGS
+from conftest import LARGE, ROOT, SEED, SMALL
 
 DOCKER = ROOT / "docker"
+# What each base image ships (Triton release notes): the pins must be re-derived when the tag changes.
+TRITON_RELEASES = {"24.10": {"python": "3.10", "cuda": "12.6"}}
+# Import name -> distribution, where they differ.
+DISTRIBUTIONS = {"PIL": "pillow", "onnxruntime": "onnxruntime-gpu"}
 
 
-def _manifests() -> dict[str, dict]:
-    docs = [d for d in yaml.safe_load_all((DOCKER / "k8s" / "triton.yaml").read_text()) if d]
-    return {doc["kind"]: doc for doc in docs}
+def _compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["triton"]
 
 
-def test_compose_reserves_a_gpu_and_mounts_the_repository_when_parsed():
-    service = yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["triton"]
-    devices = service["deploy"]["resources"]["reservations"]["devices"]
-    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
-    assert sorted(p.split(":")[1] for p in service["ports"]) == ["8000", "8001", "8002"]
-    assert "../model_repository:/models:ro" in service["volumes"]
-    assert re.fullmatch(r"\d+[gm]b", service["shm_size"])
-    assert "--model-repository=/models" in service["command"]
-    assert service["build"]["dockerfile"] == "docker/Dockerfile"
+def _manifests() -> list[dict]:
+    return [doc for path in sorted((DOCKER / "k8s").glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def test_dockerfile_installs_the_pinned_requirements_when_built():
-    dockerfile = (DOCKER / "Dockerfile").read_text()
-    tag = re.search(r"ARG TRITON_VERSION=(\d+\.\d+)", dockerfile).group(1)
-    assert tag == "24.10"  # Triton 2.51: the server in nvidia-pytriton 0.7.0 that serve-repo runs
-    assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3" in dockerfile
-    assert "pip install --no-cache-dir -r /opt/triton-classifier/requirements.txt" in dockerfile
-    assert "COPY docker/requirements-container.txt" in dockerfile
+def _kind(kind: str) -> dict:
+    (doc,) = [doc for doc in _manifests() if doc["kind"] == kind]
+    return doc
 
 
-def test_container_requirements_are_pinned_for_cuda_12_when_read():
-    lines = [line.split("#")[0].strip() for line in (DOCKER / "requirements-container.txt").read_text().splitlines()]
-    pins = dict(line.split("==") for line in lines if line)
-    assert set(pins) == {"torch", "torchvision", "onnxruntime-gpu", "numpy", "pillow"}
-    assert all(re.fullmatch(r"\d+(\.\d+)+", version) for version in pins.values())
-    # torchvision's minor is torch's minor + 15 (0.22 <-> 2.7): a mismatched pair cannot import.
-    torch_minor, vision_minor = int(pins["torch"].split(".")[1]), int(pins["torchvision"].split(".")[1])
-    assert vision_minor == torch_minor + 15
-    assert int(pins["numpy"].split(".")[0]) < 2  # onnxruntime-gpu 1.20 is built against numpy 1.x
+def _container() -> dict:
+    return _kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
 
 
-def test_k8s_manifests_agree_with_each_other_when_parsed():
-    m = _manifests()
-    assert set(m) == {"Deployment", "Service", "HorizontalPodAutoscaler"}
-    for doc in m.values():
-        assert doc["apiVersion"] and doc["metadata"]["name"] == "triton-classifier"
-    pod_labels = m["Deployment"]["spec"]["template"]["metadata"]["labels"]
-    assert m["Deployment"]["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert m["Service"]["spec"]["selector"].items() <= pod_labels.items()
-    container = m["Deployment"]["spec"]["template"]["spec"]["containers"][0]
-    ports = {p["containerPort"] for p in container["ports"]}
-    assert {p["targetPort"] for p in m["Service"]["spec"]["ports"]} == ports == {8000, 8001, 8002}
-    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    target = m["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
-    assert (target["kind"], target["name"]) == ("Deployment", m["Deployment"]["metadata"]["name"])
+def _dockerfile_args() -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", (DOCKER / "Dockerfile").read_text(), re.M))
+
+
+def _pins() -> tuple[dict[str, str], list[str]]:
+    """(name -> version, option lines) of requirements-container.txt."""
+    pins, options = {}, []
+    for line in (DOCKER / "requirements-container.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line.startswith("-"):
+            options.append(line)
+        elif line:
+            name, sep, version = line.partition("==")
+            assert sep and re.fullmatch(r"\d+(\.\d+)+(\+\w+)?", version), f"not an exact pin: {line!r}"
+            pins[name.lower()] = version
+    return pins, options
+
+
+def _bytes(size: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)\s*([kmg]?)b?", size.lower()).groups()
+    return int(number) * 1024 ** " kmg".index(unit or " ")
+
+
+def test_compose_reserves_one_nvidia_gpu_when_parsed():
+    (device,) = _compose()["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
+
+
+def test_compose_publishes_http_grpc_and_metrics_ports_when_parsed():
+    assert sorted(_compose()["ports"]) == ["8000:8000", "8001:8001", "8002:8002"]
+
+
+def test_compose_mounts_the_repository_read_only_at_models_when_parsed():
+    (volume,) = _compose()["volumes"]
+    source, target, mode = volume.rsplit(":", 2)
+    assert (target, mode) == ("/models", "ro")
+    assert source == "${MODEL_REPOSITORY:-../model_repository}"  # relative to docker/: the repo's own
+    assert "--model-repository=/models" in _compose()["command"]
+
+
+def test_compose_shm_holds_every_stub_region_when_parsed():
+    # A GPU build runs 2 instances of each of its 2 python models: 4 stub regions of shm-default bytes.
+    command = _compose()["command"]
+    (default,) = [int(arg.rpartition("=")[2]) for arg in command if "shm-default-byte-size" in arg]
+    assert _bytes(_compose()["shm_size"]) >= 4 * 2 * default  # x2: room to grow once each
+
+
+def test_compose_runs_serve_repos_gpu_flags_and_health_check_when_parsed():
+    service = _compose()
+    assert set(GPU_FLAGS) <= set(service["command"])
+    assert "localhost:8000/v2/health/ready" in service["healthcheck"]["test"]
+    assert service["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+
+
+def test_run_script_passes_serve_repos_gpu_flags_when_read():
+    script = (DOCKER / "run.sh").read_text()
+    assert all(flag in script for flag in GPU_FLAGS)
+    assert "--shm-size=" in script and '"$repo":/models:ro' in script
+
+
+def test_test_script_builds_the_conftest_repository_when_read():
+    script = (DOCKER / "test.sh").read_text().replace("\\\n", " ")
+    builds = [line.split() for line in script.splitlines() if line.startswith(".venv/bin/build-repo")]
+    models = {b[b.index("--model") + 1]: b for b in builds}
+    assert set(models) == {SMALL, LARGE}
+    assert all(b[b.index("--seed") + 1] == str(SEED) and "random" in b for b in builds)
+    assert " ".join(models[SMALL]).endswith("--max-batch-size 8 --max-queue-delay-us 2000")
+    assert "TRITON_URL=localhost:8000 TRITON_GRPC_URL=localhost:8001" in script
+    assert "trap " in script and "docker/run.sh" in script
 
 
 @pytest.mark.parametrize("script", ["test.sh", "run.sh"])
-def test_docker_scripts_parse_when_checked_with_bash_n(script):
+def test_docker_script_parses_when_checked_with_bash_n(script):
     result = subprocess.run(["bash", "-n", str(DOCKER / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_dockerfile_base_image_is_a_known_release_when_read():
+    args = _dockerfile_args()
+    release = TRITON_RELEASES[args["TRITON_VERSION"]]  # KeyError: a new tag, re-derive the pins
+    assert (args["CONTAINER_PYTHON"], args["CONTAINER_CUDA"]) == (release["python"], release["cuda"])
+    assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3" in (DOCKER / "Dockerfile").read_text()
+
+
+def test_dockerfile_installs_the_requirements_file_when_built():
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    (target,) = re.findall(r"^COPY docker/requirements-container\.txt (\S+)$", dockerfile, re.M)
+    assert re.search(rf"^RUN python3 -m pip install --no-cache-dir -r {re.escape(target)}\b", dockerfile, re.M)
+
+
+def test_container_requirements_are_exact_pins_when_read():
+    pins, options = _pins()
+    assert set(pins) == {"torch", "torchvision", "onnxruntime-gpu", "numpy", "pillow"}
+    assert all(option.startswith("--extra-index-url https://download.pytorch.org/whl/") for option in options)
+
+
+def test_container_torch_cuda_tag_matches_the_container_cuda_when_read():
+    pins, options = _pins()
+    tag = "cu" + _dockerfile_args()["CONTAINER_CUDA"].replace(".", "")  # 12.6 -> cu126
+    assert pins["torch"].endswith("+" + tag) and pins["torchvision"].endswith("+" + tag)
+    assert options == [f"--extra-index-url https://download.pytorch.org/whl/{tag}"]
+
+
+def test_container_torchvision_pairs_with_torch_when_read():
+    pins, _ = _pins()
+    torch_version = [int(p) for p in pins["torch"].split("+")[0].split(".")]
+    vision_version = [int(p) for p in pins["torchvision"].split("+")[0].split(".")]
+    # torchvision 0.(N+15).P goes with torch 2.N.P (0.22.1 <-> 2.7.1): another pair cannot import.
+    assert vision_version == [0, torch_version[1] + 15, torch_version[2]]
+
+
+def test_container_requirements_cover_the_backends_imports_when_read():
+    local = {path.stem for path in (ROOT / "backends").glob("*.py")} | {"backends", "triton_python_backend_utils"}
+    imported = set()
+    for path in (ROOT / "backends").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - local - set(sys.stdlib_module_names) - {"__future__"}
+    assert {DISTRIBUTIONS.get(name, name) for name in third_party} == set(_pins()[0])
+
+
+def test_dockerignore_sends_only_what_the_dockerfile_copies_when_read():
+    lines = [line for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"]
+    sources = {match.split()[0] for match in re.findall(r"^COPY (.+)$", (DOCKER / "Dockerfile").read_text(), re.M)}
+    assert lines[0] == "*" and set(lines[1:]) == {f"!{source}" for source in sources}
+
+
+def test_k8s_manifest_names_its_api_kind_and_name_when_parsed():
+    docs = _manifests()
+    assert {doc["kind"] for doc in docs} >= {"Deployment", "Service", "HorizontalPodAutoscaler"}
+    for doc in docs:
+        assert doc["apiVersion"] and doc["kind"] and doc["metadata"]["name"], doc
+
+
+def test_k8s_service_selects_the_deployment_pods_when_parsed():
+    deployment = _kind("Deployment")["spec"]
+    pod_labels = deployment["template"]["metadata"]["labels"]
+    assert deployment["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert _kind("Service")["spec"]["selector"].items() <= pod_labels.items()
+
+
+def test_k8s_service_targets_the_container_ports_when_parsed():
+    container_ports = {p["containerPort"] for p in _container()["ports"]}
+    service_ports = {(p["name"], p["port"], p["targetPort"]) for p in _kind("Service")["spec"]["ports"]}
+    assert service_ports == {("http", 8000, 8000), ("grpc", 8001, 8001), ("metrics", 8002, 8002)}
+    assert {target for _, _, target in service_ports} == container_ports
+
+
+def test_k8s_probes_hit_triton_health_paths_on_the_http_port_when_parsed():
+    container = _container()
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    expected = {"readinessProbe": "/v2/health/ready", "livenessProbe": "/v2/health/live",
+                "startupProbe": "/v2/health/ready"}
+    paths = {probe: container[probe]["httpGet"]["path"] for probe in expected}
+    assert paths == expected
+    assert all(named.get(container[probe]["httpGet"]["port"]) == 8000 for probe in paths)
+
+
+def test_k8s_deployment_gets_one_gpu_and_the_repository_read_only_when_parsed():
+    container = _container()
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert set(GPU_FLAGS) | {"--model-repository=/models"} <= set(container["args"])
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/models"]["readOnly"] is True and "/dev/shm" in mounts
+    volumes = {v["name"]: v for v in _kind("Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mounts["/models"]["name"]]["persistentVolumeClaim"]["readOnly"] is True
+    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+def test_k8s_hpa_scales_the_deployment_on_queue_time_when_parsed():
+    hpa, deployment = _kind("HorizontalPodAutoscaler"), _kind("Deployment")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == (
+        deployment["apiVersion"], "Deployment", deployment["metadata"]["name"])
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    pods = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert pods == ["triton_queue_us_per_request"]
+    assert "as: triton_queue_us_per_request" in (DOCKER / "k8s" / "README.md").read_text()  # the adapter rule
