@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from builder import cli as build_repo
-    from builder.serve import ServerError, TritonServer, free_port
+    from server.triton import ServerError, TritonServer, free_port
 
     args = parser().parse_args(argv)
     model = args.model or ("resnet18" if args.quick else "resnet152")

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from builder import cli as build_repo
-from builder.serve import ServerError, TritonServer, free_port
+from server.triton import ServerError, TritonServer, free_port
 from clients import classify
 
 SAMPLE = Path(__file__).resolve().parent / "samples" / "chelsea.jpg"  # scikit-image's cat, CC0

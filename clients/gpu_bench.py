@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     import tritonclient.grpc as grpcclient
 
     from builder import cli as build_repo
-    from builder.serve import TritonServer, free_port
+    from server.triton import TritonServer, free_port
 
     args = parser().parse_args(argv)
     repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"

@@ -10,7 +10,7 @@ gpu=()
 flags=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   gpu=(--gpus all)
-  # = builder/serve.py GPU_FLAGS and compose.yaml's command (tests/test_container_files.py checks).
+  # = server/triton.py GPU_FLAGS and compose.yaml's command (tests/test_container_files.py checks).
   flags=(--cuda-memory-pool-byte-size=0:536870912
          --backend-config=python,shm-default-byte-size=67108864
          --backend-config=python,shm-growth-byte-size=67108864)

@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 from builder import cli as build_repo
-from builder.serve import TritonServer, free_port
+from server.triton import TritonServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = "resnet18"   # any model will do: ~10x cheaper than ResNet-152

@@ -10,7 +10,7 @@ import tritonclient.http as httpclient
 from builder import cli as build_repo
 from builder import export
 from builder.config import read_config
-from builder.serve import TritonServer, free_port
+from server.triton import TritonServer, free_port
 from conftest import SMALL, build, reference_logits, relative_error
 
 

@@ -13,7 +13,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.batch_runner import PRECISIONS, BatchRunner
 from builder.config import read_config
-from builder.serve import TritonServer, free_port
+from server.triton import TritonServer, free_port
 from conftest import SMALL, build, reference_logits, reference_model, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

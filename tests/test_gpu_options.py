@@ -6,7 +6,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from backends.batch_runner import BatchRunner, _rows, buckets_for, parse_buckets
 from builder import cli as build_repo
 from builder.config import read_config
-from builder.serve import GPU_FLAGS, TritonServer, uses_gpu
+from server.triton import GPU_FLAGS, TritonServer, uses_gpu
 from conftest import SMALL, build
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from builder.config import read_config
-from builder.serve import TritonServer, free_port
+from server.triton import TritonServer, free_port
 from conftest import SMALL, build
 
 

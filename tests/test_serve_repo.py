@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from builder import serve
-from builder.serve import ServerError, TritonServer, free_port
+from server import cli, triton as serve
+from server.triton import ServerError, TritonServer, free_port
 from conftest import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ def test_serve_repo_stops_server_and_stubs_when_sent_sigterm(repository, tmp_pat
     shutil.copytree(repository / SMALL, repo / SMALL)
     ports = [str(free_port()) for _ in range(3)]
     process = subprocess.Popen(
-        [sys.executable, "-m", "builder.serve", "--repository", str(repo), "--http-port", ports[0],
+        [sys.executable, "-m", "server.cli", "--repository", str(repo), "--http-port", ports[0],
          "--grpc-port", ports[1], "--metrics-port", ports[2]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -50,7 +50,7 @@ def test_serve_repo_names_busy_port_when_http_port_is_taken(repository, capsys):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        status = serve.main(["--repository", str(repository), "--http-port", str(busy),
+        status = cli.main(["--repository", str(repository), "--http-port", str(busy),
                              "--grpc-port", str(free_port()), "--metrics-port", str(free_port())])
     assert status == 1
     assert f"http port {busy} on 127.0.0.1 is busy" in capsys.readouterr().err

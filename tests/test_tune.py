@@ -5,7 +5,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from builder.config import read_config
-from builder.serve import TritonServer, free_port
+from server.triton import TritonServer, free_port
 from clients import tune
 from conftest import SMALL
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 from builder import cli
-from builder.serve import TritonServer, free_port
+from server.triton import TritonServer, free_port
 from clients.gpu_bench import reload
 
 repo = Path(tempfile.mkdtemp()) / "repo"

@@ -1,0 +1,1 @@
+"""Serving: the bundled tritonserver, supervised (serve-repo)."""

@@ -1,0 +1,74 @@
+"""`serve-repo`: serve a model repository with the real tritonserver bundled in the nvidia-pytriton wheel,
+supervised: restarted when it dies, a model reloaded when its stub dies, drained on SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from builder.cliutil import OneLineParser
+from server.supervisor import Supervisor
+from server.triton import GPU_FLAGS, ServerError, TritonServer
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="serve-repo", description=__doc__)
+    p.add_argument("--repository", type=Path, default=Path("model_repository"),
+                   help="model repository to serve. Default: model_repository.")
+    p.add_argument("--http-port", type=int, default=8000, help="Default: 8000.")
+    p.add_argument("--grpc-port", type=int, default=8001, help="Default: 8001.")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Default: 8002.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind. Default: 127.0.0.1.")
+    p.add_argument("--model-control", choices=("none", "explicit"), default="none",
+                   help="explicit: models may be (re)loaded live through the repository API (clients.tune "
+                        "uses it). none: the repository API needs a key only serve-repo holds. The server "
+                        "always runs in Triton's explicit mode so that it can skip models it has no backend "
+                        "for and reload a model whose stub died. Default: none.")
+    p.add_argument("--drain-seconds", type=float, default=5,
+                   help="on SIGTERM/SIGINT, how long in-flight requests may take to finish before the "
+                        "server and its stubs are killed (Triton's --exit-timeout-secs). Default: 5.")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts in a row (each lived < 60 s) before giving up when tritonserver keeps "
+                        "dying; 0: never restart. Default: 5.")
+    p.add_argument("--log-file", type=Path, help="tritonserver's log. Default: a temporary file.")
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait until ready. Default: 600.")
+    p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
+                   help="flags passed to tritonserver unchanged, after `--` (e.g. -- --log-verbose=1 "
+                        "--cuda-memory-pool-byte-size=0:1073741824). Default: none; a repository with GPU "
+                        "models gets " + " ".join(GPU_FLAGS) + " unless the same flags are passed.")
+    args = p.parse_args(argv)
+    if args.drain_seconds < 0 or args.max_restarts < 0:
+        p.error("--drain-seconds and --max-restarts must be >= 0")
+    extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
+    server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
+                          args.model_control, args.log_file, extra, drain_seconds=args.drain_seconds)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        server.start(args.timeout, abort=stop)
+    except ServerError as exc:
+        print(f"serve-repo: error: {exc}", file=sys.stderr)
+        server.stop()
+        return 1 if not stop.is_set() else 130
+    for name, why in server.skipped.items():
+        print(f"skipped {name}: {why}", flush=True)
+    print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+          f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
+    supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout,
+                            log=lambda line: print(line, flush=True))
+    status = supervisor.run(stop)
+    if status:
+        server.stop()
+        print(f"serve-repo: error: {supervisor.failure}; log {server.log_file}", file=sys.stderr)
+        return 1
+    print(f"stopping: draining in-flight requests for up to {args.drain_seconds:g}s", flush=True)
+    server.stop()
+    print("tritonserver stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

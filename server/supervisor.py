@@ -1,0 +1,152 @@
+"""Watch a running tritonserver: restart it when it dies, reload a model whose stub died.
+
+Triton 2.51 does neither by itself (measured): a killed python-backend stub leaves its model READY
+while every request fails with "Stub process ... is not healthy", and a repository `load` of the
+unchanged model is a no-op; `unload` followed by `load` starts fresh stubs and serves again.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Callable
+
+from server.triton import ServerError, TritonServer
+
+
+def describe_exit(status: int | None) -> str:
+    if status is None:
+        return "unknown status"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
+
+
+class Supervisor:
+    """One loop, in the thread that started the server (its PR_SET_PDEATHSIG is tied to that thread).
+
+    - tritonserver died: log its last words, restart with backoff (0.5 s, 1 s, 2 s, ... 30 s);
+      give up after `max_restarts` restarts that each lived less than `stable_seconds`.
+    - a stub died while its model is READY: the model is unloaded (not ready at once) and loaded again.
+    """
+
+    def __init__(self, server: TritonServer, max_restarts: int = 5, poll_seconds: float = 0.25,
+                 stable_seconds: float = 60, log: Callable[[str], None] = print, start_timeout: float = 600):
+        self.server = server
+        self.max_restarts = max_restarts
+        self.poll_seconds = poll_seconds
+        self.stable_seconds = stable_seconds
+        self.log = log
+        self.start_timeout = start_timeout
+        self.restarts = 0            # in a row (reset once the server stayed up stable_seconds)
+        self.total_restarts = 0
+        self.reloads = 0
+        self._started = time.monotonic()
+        self._known: dict[int, tuple[str, str]] = {}   # live stub pid -> (model, instance)
+        self._suspects: dict[tuple[str, str], float] = {}  # dead (model, instance) -> when first seen dead
+        self.failure: str | None = None
+
+    def run(self, stop: threading.Event) -> int:
+        """Until `stop` is set: 0. Gave up restarting: 1 (self.failure says why)."""
+        while not stop.is_set():
+            if not self.server.running():
+                if not self._restart(stop):
+                    return 1 if not stop.is_set() else 0
+                continue
+            self.check_stubs()
+            stop.wait(self.poll_seconds)
+        return 0
+
+    def _restart(self, stop: threading.Event) -> bool:
+        self.server._reap()
+        why = f"tritonserver died ({describe_exit(self.server.returncode)}): {self.server.last_words()}"
+        if time.monotonic() - self._started >= self.stable_seconds:
+            self.restarts = 0
+        if self.restarts >= self.max_restarts:
+            self.failure = f"{why}; not restarted: {self.restarts} restarts in a row failed or died again"
+            self.log(f"serve-repo: error: {self.failure}")
+            return False
+        self.restarts += 1
+        delay = min(30.0, 0.5 * 2 ** (self.restarts - 1))
+        self.log(f"serve-repo: {why}; restarting ({self.restarts}/{self.max_restarts}) in {delay:g}s")
+        died = time.monotonic()
+        if stop.wait(delay):
+            return False
+        self._known.clear()
+        self._suspects.clear()
+        try:
+            self.server.restart(self.start_timeout, abort=stop)
+        except ServerError as error:
+            if stop.is_set():
+                return False
+            self.log(f"serve-repo: restart failed: {error}")
+            return True  # the loop sees it not running and tries again (or gives up)
+        self._started = time.monotonic()
+        self.total_restarts += 1
+        self.log(f"serve-repo: tritonserver ready again after {self._started - died:.1f}s "
+                 f"(restart {self.total_restarts})")
+        return True
+
+    def check_stubs(self) -> list[str]:
+        """Find stubs that died under a READY model; reload those models. Returns the models reloaded."""
+        stubs = self.server.stubs()
+        alive = {(s.model, s.instance) for s in stubs if s.alive}
+        by_pid = {s.pid: s for s in stubs}
+        for pid, key in list(self._known.items()):
+            stub = by_pid.get(pid)
+            if stub is None or stub.zombie:
+                del self._known[pid]
+                if key not in alive:
+                    self._suspects.setdefault(key, time.monotonic())
+        for stub in stubs:
+            if stub.alive:
+                self._known[stub.pid] = (stub.model, stub.instance)
+        # A python model with no live stub at all, even one that died before we first looked.
+        live_models = {model for model, _ in alive}
+        for model in self.server.loaded:
+            if model not in live_models and any((self.server.repository / model).glob("*/model.py")):
+                if not any(key[0] == model for key in self._suspects):
+                    self._suspects[(model, "all")] = time.monotonic()
+        reloaded = []
+        for key in list(self._suspects):
+            model, instance = key
+            if key in alive or (instance == "all" and any(k[0] == model for k in alive)):  # replaced
+                del self._suspects[key]
+                continue
+            if not self.server.model_ready(model):  # being unloaded or loaded on purpose
+                del self._suspects[key]
+                continue
+            if time.monotonic() - self._suspects[key] < self.poll_seconds:
+                continue  # seen dead once: a deliberate unload flips READY first; look again next poll
+            for other in [k for k in self._suspects if k[0] == model]:
+                del self._suspects[other]
+            self.reload(model, "its stubs died" if instance == "all" else f"its stub {instance} died")
+            reloaded.append(model)
+        return reloaded
+
+    def _state(self, model: str) -> str:
+        for entry in self.server.repository_api("index"):
+            if entry.get("name") == model:
+                return entry.get("state", "")
+        return ""
+
+    def reload(self, model: str, why: str) -> None:
+        started = time.monotonic()
+        self.log(f"serve-repo: {model}: {why}; reloading (not ready until it is back)")
+        try:
+            self.server.repository_api("unload", model)
+            # Triton answers the unload at once and unloads in the background (~1 s with a dead stub);
+            # a load issued before that finished is a version swap during which the broken model
+            # stays READY. So: wait until the index says it is unloaded, then load.
+            deadline = time.monotonic() + 30
+            while self._state(model) in ("READY", "UNLOADING") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.server.repository_api("load", model)
+        except ServerError as error:
+            self.log(f"serve-repo: {model}: reload failed: {error}")
+            return
+        self.reloads += 1
+        self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
