@@ -56,12 +56,13 @@ def parser() -> argparse.ArgumentParser:
                        help="the same in milliseconds (TorchServe: max_batch_delay). Default: unset.")
     p.add_argument("--preferred-batch-size", type=_positive, nargs="+",
                    help="batch sizes the batcher prefers to send. Default: none (cpu), the batch buckets (gpu).")
-    p.add_argument("--max-queue-size", type=_non_negative, default=0,
-                   help="requests that may wait for a batch; more are rejected at once (HTTP 503-like "
-                        "UNAVAILABLE). 0 is unbounded. Default: 0.")
-    p.add_argument("--queue-timeout-ms", type=_delay_ms, default=0,
+    p.add_argument("--max-queue-size", type=_non_negative,
+                   help="requests that may wait for a batch; more are rejected at once (UNAVAILABLE, "
+                        f"'Exceeds maximum queue size'). 0 is unbounded. Default: {cpu.max_queue_size} (cpu), "
+                        f"{gpu.max_queue_size} (gpu).")
+    p.add_argument("--queue-timeout-ms", type=_delay_ms,
                    help="longest a request may wait in the queue before --timeout-action; 0: no timeout. "
-                        "Default: 0.")
+                        f"Default: {cpu.queue_timeout_ms:g} (cpu), {gpu.queue_timeout_ms:g} (gpu).")
     p.add_argument("--timeout-action", choices=("reject", "delay"), default="reject",
                    help="what a timed-out request gets: reject (an error) or delay (served after the others). "
                         "Default: reject.")
@@ -173,10 +174,11 @@ def _options(args, kind: cfg.InstanceKind) -> Options:
     graphs = gpu and engine != "onnxruntime" if args.cuda_graphs is None else args.cuda_graphs
     if graphs and engine == "onnxruntime":
         raise cfg.ConfigError("--cuda-graphs needs --engine torch or torchscript")
+    size = default.max_queue_size if args.max_queue_size is None else args.max_queue_size
+    timeout = int(default.queue_timeout_ms * 1000) if args.queue_timeout_ms is None else args.queue_timeout_ms  # µs
     queue = None
-    if args.max_queue_size or args.queue_timeout_ms or args.allow_timeout_override or args.timeout_action != "reject":
-        queue = cfg.QueuePolicy(args.max_queue_size, args.queue_timeout_ms, args.timeout_action.upper(),
-                                args.allow_timeout_override)
+    if max_batch and (size or timeout or args.allow_timeout_override or args.timeout_action != "reject"):
+        queue = cfg.QueuePolicy(size, timeout, args.timeout_action.upper(), args.allow_timeout_override)
     return Options(cfg.Batching(max_batch, delay if max_batch else 0, tuple(preferred), queue), kind,
                    args.instances or default.instances, args.num_threads, engine, args.formats, args.verify,
                    args.precision, bool(graphs and gpu), args.cudnn_benchmark, buckets, args.decode_device)

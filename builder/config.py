@@ -32,14 +32,20 @@ class KindDefaults:
     max_batch_size: int
     max_queue_delay_us: int
     instances: int
+    max_queue_size: int = 0      # requests waiting for a batch; beyond it rejected at once (0: unbounded)
+    queue_timeout_ms: float = 0  # longest wait in that queue before the request is rejected (0: none)
 
 
 # What `build-repo --kind K` ships when a flag is not given. A GPU wants big batches (ResNet-152 fp16
 # on an H100: 2000 img/s at batch 8, 6200 at 64 with CUDA graphs), a short delay so a batch forms
 # while the other instance computes, and two instances so one copies/prepares while the other runs.
+# The queue bounds keep latency bounded under overload (clients.overload measures it): a request waits
+# at most the timeout, then gets an error it can retry elsewhere, instead of waiting behind thousands.
+# CPU: ResNet-152 on 2 cores serves ~7 img/s, so 10 s still covers clients.bench's 32 clients and
+# TorchServe's default job queue (100) fits; GPU: 64-image batches every ~25 ms, 1 s is ~40 batches.
 DEFAULTS = {
-    InstanceKind.CPU: KindDefaults(DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, 1),
-    InstanceKind.GPU: KindDefaults(64, 200, 2),
+    InstanceKind.CPU: KindDefaults(DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, 1, 128, 10_000),
+    InstanceKind.GPU: KindDefaults(64, 200, 2, 2048, 1_000),
 }
 
 

@@ -143,8 +143,11 @@ def batching_override(base: dict, max_batch_size: int, delay_us: int, instances:
     config = json.loads(json.dumps(base))
     config["max_batch_size"] = max_batch_size
     if max_batch_size > 0:
+        policy = config.get("dynamic_batching", {}).get("default_queue_policy")
         config["dynamic_batching"] = {"max_queue_delay_microseconds": delay_us,
                                       "preferred_batch_size": list(preferred)}
+        if policy:  # the queue bounds stay what build-repo wrote
+            config["dynamic_batching"]["default_queue_policy"] = policy
     else:
         config.pop("dynamic_batching", None)
     if instances:

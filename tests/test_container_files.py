@@ -82,6 +82,13 @@ def test_compose_shm_holds_every_stub_region_when_parsed():
     assert _bytes(_compose()["shm_size"]) >= 4 * 2 * default  # x2: room to grow once each
 
 
+def test_compose_restarts_a_dead_server_and_drains_within_its_stop_grace_when_parsed():
+    service = _compose()
+    assert service["restart"] == "unless-stopped"
+    (drain,) = [int(arg.rpartition("=")[2]) for arg in service["command"] if "--exit-timeout-secs" in arg]
+    assert drain < int(service["stop_grace_period"].rstrip("s"))  # Docker's SIGKILL comes after the drain
+
+
 def test_compose_runs_serve_repos_gpu_flags_and_health_check_when_parsed():
     service = _compose()
     assert set(GPU_FLAGS) <= set(service["command"])

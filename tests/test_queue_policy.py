@@ -38,3 +38,25 @@ def test_bounded_queue_rejects_overflow_and_answers_the_rest_when_requests_burst
     # 12 requests at once, one ~20+ ms inference at a time, room for one waiting: most must bounce.
     assert answered and rejected
     assert all("queue size" in message.lower() for message in rejected), rejected[:2]
+
+
+def test_default_build_bounds_the_queue_and_its_wait(repository):
+    for model in (SMALL, f"{SMALL}_preprocess"):
+        policy = read_config(repository / model).dynamic_batching.default_queue_policy
+        assert (policy.max_queue_size, policy.default_timeout_microseconds) == (128, 10_000_000), model
+
+
+def test_unbounded_queue_when_asked_for_with_zeros(tmp_path):
+    build(tmp_path / "repo", "--max-queue-size", "0", "--queue-timeout-ms", "0")
+    assert not read_config(tmp_path / "repo" / SMALL).dynamic_batching.HasField("default_queue_policy")
+
+
+def test_live_batching_override_keeps_the_queue_bounds():
+    from clients.loadgen import batching_override
+
+    policy = {"max_queue_size": 128, "default_timeout_microseconds": 10_000_000}
+    base = {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": 0,
+                                                      "default_queue_policy": policy}}
+    changed = batching_override(base, 4, 500)
+    assert changed["dynamic_batching"]["default_queue_policy"] == policy
+    assert changed["dynamic_batching"]["max_queue_delay_microseconds"] == 500

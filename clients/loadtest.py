@@ -1,0 +1,128 @@
+"""Mixed load: N requests (good and bad, both models, HTTP and gRPC) from C concurrent clients; every
+request must get exactly one answer, good ones equal to in-process, bad ones a clear refusal.
+
+    python -m clients.loadtest --requests 5000 --concurrency 40 --out bench/results/load-mixed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from builder.cliutil import OneLineParser
+from clients.mixed import Sender, Tally, build_cases, reference_for, schedule
+
+SEED = 0
+
+
+def build_small_repo(model: str, into: Path) -> Path:
+    from builder import cli as build_repo
+
+    repo = into / "repo"
+    status = build_repo.main(["--model", model, "--weights", "random", "--seed", str(SEED), "--output", str(repo),
+                              "--kind", "cpu"])
+    if status:
+        raise SystemExit(f"build-repo failed ({status})")
+    return repo
+
+
+def served_transform(http_url: str, model: str):
+    from clients.classify import connect, model_config, preprocess_for
+
+    _, triton = connect(http_url, "http")
+    return preprocess_for(model_config(triton, model))
+
+
+def average_batches(http_url: str, models) -> dict:
+    """Requests per execution for each model: above 1 means bad requests shared batches with good ones."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(http_url)
+    found = {}
+    for model in models:
+        stats = client.get_inference_statistics(model)["model_stats"][0]
+        executions = stats.get("execution_count", 0)
+        found[model] = round(stats.get("inference_count", 0) / executions, 2) if executions else 0
+    return found
+
+
+def drive(sequence, http_url: str, grpc_url: str, concurrency: int, tally: Tally) -> float:
+    """Send every case in `sequence` from `concurrency` threads; seconds taken."""
+    work: queue.Queue = queue.Queue()
+    for case in sequence:
+        work.put(case)
+
+    def worker():
+        sender = Sender(http_url, grpc_url, tally)
+        try:
+            while True:
+                try:
+                    case = work.get_nowait()
+                except queue.Empty:
+                    return
+                sender.send(case)
+        finally:
+            sender.close()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m clients.loadtest", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet18", help="torchvision model, random weights (seed 0). Default: resnet18.")
+    p.add_argument("--requests", type=int, default=5000, help="Default: 5000.")
+    p.add_argument("--concurrency", type=int, default=40, help="Default: 40.")
+    p.add_argument("--good-share", type=float, default=0.7, help="Default: 0.7.")
+    p.add_argument("--out", type=Path, help="JSON summary to write.")
+    args = p.parse_args(argv)
+
+    from server.triton import TritonServer, free_port
+
+    with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
+        repo = build_small_repo(args.model, Path(tmp))
+        with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+            cases = build_cases(args.model, reference_for(args.model, SEED),
+                                served_transform(server.http_url, args.model))
+            sequence = schedule(cases, args.requests, args.good_share)
+            tally = Tally()
+            seconds = drive(sequence, server.http_url, server.grpc_url, args.concurrency, tally)
+            batches = average_batches(server.http_url, (args.model, f"{args.model}_preprocess"))
+            ready_after = server.ready() and all(server.model_ready(m) for m in (args.model, f"{args.model}_image"))
+    good_sent = sum(c.good for c in sequence)
+    summary = {
+        "model": args.model, "requests": len(sequence), "concurrency": args.concurrency,
+        "good_sent": good_sent, "bad_sent": len(sequence) - good_sent,
+        "answered": tally.total(), "lost": len(sequence) - tally.total(),
+        "good_correct": tally.total("ok"), "bad_refused": tally.total("refused"),
+        "wrong_answers": tally.total("wrong"), "good_failed": tally.total("error"),
+        "bad_accepted": tally.total("accepted-bad"),
+        "worst_relative_error": tally.worst_error, "tolerance": 1e-4,
+        "seconds": round(seconds, 1), "server_ready_after": ready_after,
+        "average_batch": batches,
+        "per_case": dict(sorted(tally.counts.items())), "examples": tally.examples,
+    }
+    passed = (summary["lost"] == 0 and summary["good_correct"] == good_sent
+              and summary["bad_refused"] == len(sequence) - good_sent and ready_after)
+    summary["passed"] = passed
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

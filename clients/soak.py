@@ -1,0 +1,149 @@
+"""Soak: mixed traffic (clients.mixed) for a fixed time while recording the memory of tritonserver and of
+each stub (RSS) and the python backend's shared memory in /dev/shm; writes JSON and a plot.
+
+    python -m clients.soak --minutes 10 --concurrency 8 --out bench/results/soak
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from builder.cliutil import OneLineParser
+from clients.loadtest import SEED, build_small_repo, served_transform
+from clients.mixed import Sender, Tally, build_cases, process_memory, reference_for, schedule
+
+MB = 1 << 20
+
+
+def shm_bytes(prefix: str) -> int:
+    total = 0
+    for region in Path("/dev/shm").glob(f"{prefix}*"):
+        try:
+            total += region.stat().st_blocks * 512  # what is really allocated, not the sparse size
+        except OSError:
+            pass
+    return total
+
+
+def sample(server, tally: Tally, started: float) -> dict:
+    stubs = {}
+    for stub in server.stubs():
+        if stub.alive:
+            stubs[stub.model] = stubs.get(stub.model, 0) + process_memory(stub.pid)
+    return {"t": round(time.monotonic() - started, 1), "tritonserver_rss": process_memory(server.pid),
+            "stubs_rss": stubs, "shm": shm_bytes(server.shm_prefix), "requests": tally.total(),
+            "good_correct": tally.total("ok")}
+
+
+def growth(samples: list[dict], key, warmup: float) -> dict:
+    """Mean over the first minute after warm-up vs the last minute, in MB, and per hour of the span."""
+    values = [(s["t"], key(s)) for s in samples if s["t"] >= warmup]
+    first = [v for t, v in values if t < values[0][0] + 60]
+    last = [v for t, v in values if t > values[-1][0] - 60]
+    start, end = sum(first) / len(first), sum(last) / len(last)
+    hours = max((values[-1][0] - values[0][0] - 60) / 3600, 1e-9)
+    return {"start_mb": round(start / MB, 1), "end_mb": round(end / MB, 1),
+            "growth_mb": round((end - start) / MB, 1), "growth_mb_per_hour": round((end - start) / MB / hours, 1),
+            "max_mb": round(max(v for _, v in values) / MB, 1)}
+
+
+def plot(samples: list[dict], models: list[str], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t"] / 60 for s in samples]
+    fig, (mem, rate) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    mem.plot(t, [s["tritonserver_rss"] / MB for s in samples], label="tritonserver RSS")
+    for model in models:
+        mem.plot(t, [s["stubs_rss"].get(model, 0) / MB for s in samples], label=f"stub {model} RSS")
+    mem.plot(t, [s["shm"] / MB for s in samples], label="/dev/shm (python backend)")
+    mem.set_ylabel("MB")
+    mem.legend(loc="center right")
+    mem.grid(alpha=0.3)
+    done = [s["requests"] for s in samples]
+    rate.plot(t[1:], [(b - a) / max(tb - ta, 1e-9) / 60 for a, b, ta, tb in zip(done, done[1:], t, t[1:])])
+    rate.set_ylabel("requests/s")
+    rate.set_xlabel("minutes")
+    rate.grid(alpha=0.3)
+    fig.suptitle("Soak: mixed good/bad requests, both models, HTTP+gRPC")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m clients.soak", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="resnet18", help="Default: resnet18.")
+    p.add_argument("--minutes", type=float, default=10, help="Default: 10.")
+    p.add_argument("--concurrency", type=int, default=8, help="Default: 8.")
+    p.add_argument("--every", type=float, default=5, help="seconds between memory samples. Default: 5.")
+    p.add_argument("--warmup", type=float, default=60, help="seconds left out of the growth figure. Default: 60.")
+    p.add_argument("--out", type=Path, default=Path("bench/results/soak"),
+                   help="writes OUT.json and OUT.png. Default: bench/results/soak.")
+    args = p.parse_args(argv)
+
+    from server.triton import TritonServer, free_port
+
+    models = [args.model, f"{args.model}_preprocess"]
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        repo = build_small_repo(args.model, Path(tmp))
+        with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+            cases = build_cases(args.model, reference_for(args.model, SEED),
+                                served_transform(server.http_url, args.model))
+            tally, stop = Tally(), threading.Event()
+            started = time.monotonic()
+            samples = [sample(server, tally, started)]
+
+            def worker(index: int):
+                sender = Sender(server.http_url, server.grpc_url, tally)
+                rounds = 0
+                while not stop.is_set():
+                    for case in schedule(cases, 100, seed=index * 100_003 + rounds):
+                        if stop.is_set():
+                            break
+                        sender.send(case)
+                    rounds += 1
+                sender.close()
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
+            for thread in threads:
+                thread.start()
+            deadline = started + args.minutes * 60
+            while time.monotonic() < deadline:
+                time.sleep(min(args.every, max(0.0, deadline - time.monotonic())))
+                samples.append(sample(server, tally, started))
+                print(f"{samples[-1]['t']:7.0f}s  requests {samples[-1]['requests']:7d}  tritonserver "
+                      f"{samples[-1]['tritonserver_rss'] / MB:7.1f} MB  shm {samples[-1]['shm'] / MB:6.1f} MB",
+                      flush=True)
+            stop.set()
+            for thread in threads:
+                thread.join()
+            ready_after = server.ready()
+    summary = {
+        "model": args.model, "minutes": args.minutes, "concurrency": args.concurrency,
+        "requests": tally.total(), "good_correct": tally.total("ok"), "bad_refused": tally.total("refused"),
+        "wrong_answers": tally.total("wrong"), "good_failed": tally.total("error"),
+        "bad_accepted": tally.total("accepted-bad"), "server_ready_after": ready_after,
+        "growth_after_warmup": {
+            "tritonserver": growth(samples, lambda s: s["tritonserver_rss"], args.warmup),
+            **{f"stub {m}": growth(samples, lambda s, m=m: s["stubs_rss"].get(m, 0), args.warmup) for m in models},
+            "shm": growth(samples, lambda s: s["shm"], args.warmup),
+        },
+        "examples": tally.examples, "samples": samples,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(samples, models, args.out.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=2))
+    ok = (summary["wrong_answers"] == summary["good_failed"] == summary["bad_accepted"] == 0) and ready_after
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
