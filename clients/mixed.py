@@ -172,11 +172,12 @@ def reference_for(model_name: str, seed: int):
     return run
 
 
-def process_memory(pid: int) -> int:
-    """Resident set size in bytes (VmRSS), 0 if the process is gone."""
+def process_memory(pid: int, field: str = "VmRSS") -> int:
+    """Bytes of /proc/PID/status `field`: VmRSS (all resident pages, shared memory included) or RssAnon
+    (the process's own heap and stacks); 0 if the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -31,12 +31,14 @@ def shm_bytes(prefix: str) -> int:
 
 
 def sample(server, tally: Tally, started: float) -> dict:
-    stubs = {}
+    stubs, stubs_anon = {}, {}
     for stub in server.stubs():
         if stub.alive:
             stubs[stub.model] = stubs.get(stub.model, 0) + process_memory(stub.pid)
+            stubs_anon[stub.model] = stubs_anon.get(stub.model, 0) + process_memory(stub.pid, "RssAnon")
     return {"t": round(time.monotonic() - started, 1), "tritonserver_rss": process_memory(server.pid),
-            "stubs_rss": stubs, "shm": shm_bytes(server.shm_prefix), "requests": tally.total(),
+            "tritonserver_anon": process_memory(server.pid, "RssAnon"), "stubs_rss": stubs,
+            "stubs_anon": stubs_anon, "shm": shm_bytes(server.shm_prefix), "requests": tally.total(),
             "good_correct": tally.total("ok")}
 
 
@@ -60,11 +62,13 @@ def plot(samples: list[dict], models: list[str], path: Path) -> None:
     t = [s["t"] / 60 for s in samples]
     fig, (mem, rate) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     mem.plot(t, [s["tritonserver_rss"] / MB for s in samples], label="tritonserver RSS")
+    mem.plot(t, [s["tritonserver_anon"] / MB for s in samples], "--", label="tritonserver anonymous")
     for model in models:
         mem.plot(t, [s["stubs_rss"].get(model, 0) / MB for s in samples], label=f"stub {model} RSS")
+        mem.plot(t, [s["stubs_anon"].get(model, 0) / MB for s in samples], "--", label=f"stub {model} anonymous")
     mem.plot(t, [s["shm"] / MB for s in samples], label="/dev/shm (python backend)")
     mem.set_ylabel("MB")
-    mem.legend(loc="center right")
+    mem.legend(loc="center right", fontsize=7)
     mem.grid(alpha=0.3)
     done = [s["requests"] for s in samples]
     rate.plot(t[1:], [(b - a) / max(tb - ta, 1e-9) / 60 for a, b, ta, tb in zip(done, done[1:], t, t[1:])])
@@ -132,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         "bad_accepted": tally.total("accepted-bad"), "server_ready_after": ready_after,
         "growth_after_warmup": {
             "tritonserver": growth(samples, lambda s: s["tritonserver_rss"], args.warmup),
+            "tritonserver (anonymous)": growth(samples, lambda s: s["tritonserver_anon"], args.warmup),
             **{f"stub {m}": growth(samples, lambda s, m=m: s["stubs_rss"].get(m, 0), args.warmup) for m in models},
+            **{f"stub {m} (anonymous)": growth(samples, lambda s, m=m: s["stubs_anon"].get(m, 0), args.warmup)
+               for m in models},
             "shm": growth(samples, lambda s: s["shm"], args.warmup),
         },
         "examples": tally.examples, "samples": samples,

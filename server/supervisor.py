@@ -92,7 +92,7 @@ class Supervisor:
 
     def check_stubs(self) -> list[str]:
         """Find stubs that died under a READY model; reload those models. Returns the models reloaded."""
-        stubs = self.server.stubs()
+        stubs = [s for s in self.server.stubs() if s.zombie or s.serves]
         alive = {(s.model, s.instance) for s in stubs if s.alive}
         by_pid = {s.pid: s for s in stubs}
         for pid, key in list(self._known.items()):

@@ -184,6 +184,12 @@ class Stub:
     def alive(self) -> bool:
         return not self.zombie
 
+    @property
+    def serves(self) -> bool:
+        """An instance's stub (`<model>_<group>_<n>`), not the short-lived one a load starts for the model
+        itself (named after the model), which exits once the model is loaded."""
+        return self.instance != self.model and self.instance.startswith(self.model + "_")
+
 
 def stubs_of(pid: int) -> list[Stub]:
     """The python-backend stubs tritonserver `pid` started (zombies included: they died)."""

@@ -105,3 +105,28 @@ def test_stale_cleanup_spares_what_live_processes_own(tmp_path):
                                                             f"tcls{dead.pid}_8000_region"])
     assert sorted(p.name for p in shm.iterdir()) == sorted([f"tcls{live}_8000_region",
                                                             "triton_python_backend_shm_region_other"])
+
+
+def test_supervisor_leaves_deliberate_unloads_and_reloads_alone(small_repo):
+    """In explicit mode a user (or clients.tune) unloads and reloads models; those stubs end on purpose."""
+    import json
+    import time
+
+    serve = faults.ServeRepo(small_repo, "--model-control", "explicit")
+    try:
+        mark = len(serve.lines)
+        config = serve.http.get_model_config(SMALL)
+        config["dynamic_batching"]["max_queue_delay_microseconds"] = 1234  # a real reload, new stubs
+        serve.http.load_model(SMALL, config=json.dumps(config))
+        assert serve.http.is_model_ready(SMALL)
+        serve.http.unload_model(f"{SMALL}_image")
+        serve.http.unload_model(f"{SMALL}_preprocess")
+        deadline = time.monotonic() + 30
+        while serve.http.is_model_ready(f"{SMALL}_preprocess") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3)  # a dozen supervisor polls
+        assert not serve.seen("reloading", mark), serve.lines[mark:]
+        assert not serve.http.is_model_ready(f"{SMALL}_preprocess")
+        assert serve.http.get_model_config(SMALL)["dynamic_batching"]["max_queue_delay_microseconds"] == 1234
+    finally:
+        serve.stop()
