@@ -1,4 +1,5 @@
 """serve-repo starts the bundled tritonserver, explains failures, and stops everything on a signal."""
+import os
 import shutil
 import signal
 import socket
@@ -81,3 +82,22 @@ def test_serve_repo_says_what_is_missing_when_pytriton_is_not_installed(monkeypa
 def test_serve_repo_refuses_when_repository_is_missing(tmp_path):
     with pytest.raises(ServerError, match="does not exist"):
         TritonServer(tmp_path / "nowhere", free_port(), free_port(), free_port()).start()
+
+
+def test_serve_repo_refuses_a_negative_drain_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--drain-seconds", "-1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_tritonserver_gets_the_drain_as_its_exit_timeout_and_a_shm_prefix_of_ours(tmp_path):
+    (tmp_path / "repo").mkdir()
+    server = TritonServer(tmp_path / "repo", 1, 2, 3, drain_seconds=7)
+    server._workdir = tmp_path / "work"
+    command = server.command()
+    assert "--exit-timeout-secs=7" in command
+    assert f"--backend-config=python,shm-region-prefix-name=tcls{os.getpid()}_1_" in command
+    mine = TritonServer(tmp_path / "repo", 1, 2, 3, extra_args=["--exit-timeout-secs=1"])
+    mine._workdir = tmp_path / "work2"
+    assert [a for a in mine.command() if a.startswith("--exit-timeout-secs")] == ["--exit-timeout-secs=1"]
