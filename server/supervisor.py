@@ -48,9 +48,11 @@ class Supervisor:
         self._known: dict[int, tuple[str, str]] = {}   # live stub pid -> (model, instance)
         self._suspects: dict[tuple[str, str], float] = {}  # dead (model, instance) -> when first seen dead
         self.failure: str | None = None
+        self._stop = threading.Event()
 
     def run(self, stop: threading.Event) -> int:
         """Until `stop` is set: 0. Gave up restarting: 1 (self.failure says why)."""
+        self._stop = stop
         while not stop.is_set():
             if not self.server.running():
                 if not self._restart(stop):
@@ -127,6 +129,25 @@ class Supervisor:
             reloaded.append(model)
         return reloaded
 
+    def _interruptible(self, call) -> None:
+        """Run a blocking call (a model load takes seconds) without holding up a stop."""
+        failure: list[ServerError] = []
+
+        def run():
+            try:
+                call()
+            except ServerError as error:
+                failure.append(error)
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        while worker.is_alive() and not self._stop.is_set():
+            worker.join(0.1)
+        if failure:
+            raise failure[0]
+        if worker.is_alive():
+            raise ServerError("stopped while loading")
+
     def _state(self, model: str) -> str:
         for entry in self.server.repository_api("index"):
             if entry.get("name") == model:
@@ -144,7 +165,7 @@ class Supervisor:
             deadline = time.monotonic() + 30
             while self._state(model) in ("READY", "UNLOADING") and time.monotonic() < deadline:
                 time.sleep(0.05)
-            self.server.repository_api("load", model)
+            self._interruptible(lambda: self.server.repository_api("load", model))
         except ServerError as error:
             self.log(f"serve-repo: {model}: reload failed: {error}")
             return
