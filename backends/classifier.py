@@ -45,7 +45,7 @@ class TritonPythonModel:
                                    self.device, max(max_batch, 1), self.sample_shape, threads)
         self.runner.warm_up()  # every bucket, before Triton reports the model READY
         pb_utils.Logger.log_info(
-            f"{args['model_name']}: {params.get('torchvision_model')} ({self.engine_name}, "
+            f"{args['model_name']}: {params.get('torchvision_model') or params.get('model_class')} ({self.engine_name}, "
             f"{params.get('precision', 'fp32')}) on {self.device}, buckets {self.runner.buckets or '-'}, "
             f"cuda_graphs={self.runner.cuda_graphs}, {torch.get_num_threads()} threads, batched={self.batched}"
         )
@@ -123,6 +123,35 @@ def build_runner(version_dir: Path, params: dict, device: torch.device, max_batc
                        buckets, channels_last, graph_ok=engine_name != "onnxruntime")
 
 
+def import_model_class(path: Path, class_name: str | None = None) -> type:
+    """The nn.Module class a model file defines, by TorchServe's rule: the one class defined in the file
+    (not imported into it) that subclasses nn.Module, or the one named. Runs the file: build-repo does
+    so only for a file the user gave or trusted. Its folder goes on sys.path for the files it imports."""
+    import importlib.util
+    import inspect
+    import sys
+
+    path = Path(path).resolve()
+    module_name = f"_classifier_code_{abs(hash(str(path)))}"
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    defined = {name: obj for name, obj in vars(module).items()
+               if inspect.isclass(obj) and issubclass(obj, torch.nn.Module) and obj.__module__ == module_name}
+    if class_name is not None:
+        if class_name not in defined:
+            raise ValueError(f"{path.name} defines no nn.Module class {class_name!r} "
+                             f"(it defines: {', '.join(sorted(defined)) or 'none'})")
+        return defined[class_name]
+    if len(defined) != 1:
+        raise ValueError(f"{path.name} must define exactly one nn.Module class (TorchServe's rule), it defines "
+                         f"{len(defined)}: {', '.join(sorted(defined)) or 'none'}; name one with --model-class")
+    return next(iter(defined.values()))
+
+
 def _instance_device(args) -> torch.device:
     if args.get("model_instance_kind") == "GPU":
         if not torch.cuda.is_available():
@@ -158,8 +187,11 @@ def _load_engine(version_dir: Path, params: dict, device: torch.device, memory_f
             return torch.jit.load(str(path), map_location=device).eval()
         if engine == "onnxruntime":
             return _OnnxRuntime(path, device, threads, params.get("ort_allow_spinning", "0"))
-        name = params["torchvision_model"]
-        model = torchvision.models.get_model(name, weights=None, num_classes=int(params.get("num_classes", 1000)))
+        if params.get("model_file"):  # the user's own model code, copied into the version folder
+            model = import_model_class(version_dir / params["model_file"], params.get("model_class") or None)()
+        else:
+            model = torchvision.models.get_model(params["torchvision_model"], weights=None,
+                                                 num_classes=int(params.get("num_classes", 1000)))
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return model.to(device, memory_format=memory_format).eval()
     except Exception as exc:  # say which engine and file, not just the loader's KeyError

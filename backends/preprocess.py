@@ -46,8 +46,8 @@ class TritonPythonModel:
             threads = threads or 4  # PIL fallbacks only; torch's one-per-core default oversubscribes
         if threads > 0:
             torch.set_num_threads(threads)
-        # Built once: the exact transforms() of the weights the classifier was built for.
-        transform = torchvision.models.get_weight(params["preprocess_weights"]).transforms()
+        # Built once: the preprocessing build-repo recorded (the weights' own transforms() for torchvision).
+        transform = transform_from_parameters(params)
         on_device = device.type == "cuda" and params.get("decode_device", "cpu") == "gpu"
         self.preprocess = Preprocessor(transform, device, tensor_decode=on_device)
         self.gpu_output = params.get("output_device", "gpu") == "gpu"
@@ -83,6 +83,22 @@ class TritonPythonModel:
         if batch.device.type == "cuda":  # stays on the GPU for the classifier (Triton's CUDA pool)
             return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(OUTPUT, to_dlpack(batch))])
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(OUTPUT, batch.numpy())])
+
+
+def transform_from_parameters(params: dict[str, str]):
+    """Resize(resize_size) -> CenterCrop(crop_size) -> [0, 1] -> Normalize(mean, std), as recorded in the
+    config (torchvision's ImageClassification, the transforms() of its weights; TorchServe's
+    image_classifier is resize 256, crop 224, ImageNet mean/std, bilinear). Repositories built before
+    these fields were recorded name torchvision weights in `preprocess_weights` instead."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms._presets import ImageClassification
+
+    if "crop_size" not in params:
+        return torchvision.models.get_weight(params["preprocess_weights"]).transforms()
+    numbers = lambda key: [float(x) for x in params[key].split(",")]  # noqa: E731
+    return ImageClassification(crop_size=int(params["crop_size"]), resize_size=int(params["resize_size"]),
+                               mean=numbers("mean"), std=numbers("std"),
+                               interpolation=InterpolationMode(params.get("interpolation", "bilinear")))
 
 
 class Preprocessor:

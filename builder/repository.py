@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -14,10 +15,11 @@ import torch
 
 from builder import config as cfg
 from builder import export
-from builder.weights import Classifier, crop_size
+from builder.weights import Classifier
 
 BACKENDS = Path(__file__).resolve().parent.parent / "backends"
 ENGINES = ("torch", "torchscript", "onnxruntime")
+CODE_DIR = "model_code"  # the user's model file in the version folder (engine torch)
 ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx"}  # engine -> export it runs
 
 
@@ -111,7 +113,7 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
         with signals_deferred():
             artifacts = _export(classifier, staging / "exports", options)
         if options.verify:
-            errors = export.verify(classifier.module, artifacts, crop_size(classifier.preprocess))
+            errors = export.verify(classifier.module, artifacts, classifier.crop)
             report(export.error_table(errors))
             bad = [name for name, error in errors.items() if error > export.TOLERANCE]
             if bad:
@@ -129,7 +131,7 @@ def _export(classifier: Classifier, folder: Path, options: Options) -> dict[str,
     if options.engine in ENGINE_ARTIFACT:
         wanted.add(ENGINE_ARTIFACT[options.engine])
     folder.mkdir()
-    side = crop_size(classifier.preprocess)
+    side = classifier.crop
     artifacts = {}
     try:
         if "onnx" in wanted:
@@ -144,17 +146,21 @@ def _export(classifier: Classifier, folder: Path, options: Options) -> dict[str,
 
 
 def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[str, Path]) -> None:
-    side = crop_size(c.preprocess)
+    side = c.crop
     labels = "\n".join(c.categories) + "\n"
     image, logits = _image(side), cfg.Tensor("LOGITS", "TYPE_FP32", (len(c.categories),), "labels.txt")
-    common = {"torchvision_model": c.name, "weights": c.weights, "num_classes": str(len(c.categories)),
-              # Clients and the preprocess model rebuild the exact transforms() from this.
-              "preprocess_weights": str(c.preprocess)}
+    common = _provenance(c)
 
     version = _model_dir(staging / c.name, labels)
     torch.save(c.module.state_dict(), version / "weights.pt")
     shutil.copyfile(BACKENDS / "classifier.py", version / "model.py")
     shutil.copyfile(BACKENDS / "batch_runner.py", version / "batch_runner.py")
+    code = {}
+    if c.code is not None and options.engine == "torch":  # the only engine that runs the model's Python code
+        (version / CODE_DIR).mkdir()
+        for source in (c.code.file, *c.code.extra_files):
+            shutil.copyfile(source, version / CODE_DIR / source.name)
+        code = {"model_file": f"{CODE_DIR}/{c.code.file.name}"}
     if options.engine in ENGINE_ARTIFACT:
         artifact = artifacts[ENGINE_ARTIFACT[options.engine]]
         shutil.copyfile(artifact, version / artifact.name)
@@ -164,7 +170,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "weights_file": "weights.pt", "engine": options.engine,
         "num_threads": str(options.num_threads), "precision": options.precision,
         "cuda_graphs": "1" if options.cuda_graphs else "0", "cudnn_benchmark": "1" if options.cudnn_benchmark else "0",
-        "batch_buckets": ",".join(map(str, options.buckets)), **common})
+        "batch_buckets": ",".join(map(str, options.buckets)), **code, **_labels_parameter(c), **common})
 
     pre = f"{c.name}_preprocess"
     version = _model_dir(staging / pre, None)
@@ -181,7 +187,8 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     _model_dir(staging / ensemble, labels)
     steps = (cfg.Step(pre, {"IMAGE_BYTES": "IMAGE_BYTES"}, {"IMAGE": "image"}),
              cfg.Step(c.name, {"IMAGE": "image"}, {"LOGITS": "LOGITS"}))
-    _config(staging / ensemble, _image_bytes(), logits, cfg.Format.ENSEMBLE, options, common, steps)
+    _config(staging / ensemble, _image_bytes(), logits, cfg.Format.ENSEMBLE, options,
+            {**_labels_parameter(c), **common}, steps)
 
     for fmt, output_name in (("onnx", "LOGITS"), ("torchscript", export.TORCHSCRIPT_OUTPUT)):
         if fmt in options.formats:
@@ -190,6 +197,31 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
             shutil.copyfile(artifacts[fmt], version / artifacts[fmt].name)
             out = cfg.Tensor(output_name, "TYPE_FP32", logits.dims, "labels.txt")
             _config(staging / name, image, out, cfg.Format(fmt), options, common)
+
+
+def _provenance(c: Classifier) -> dict[str, str]:
+    """What the model is and how images must be prepared for it: NAME_preprocess and the clients rebuild
+    the preprocessing from these fields, and a reader sees where the model came from."""
+    fields = {"weights": c.weights, "num_classes": str(len(c.categories)), **c.preprocessing.parameters()}
+    if c.architecture:
+        fields["torchvision_model"] = c.architecture
+    if c.preprocess_weights:
+        fields["preprocess_weights"] = c.preprocess_weights
+    if c.code is not None:
+        fields.update(model_class=c.code.class_name, model_imports=",".join(c.code.imports))
+    if c.source:
+        fields["source"] = c.source
+    return fields
+
+
+def _labels_parameter(c: Classifier) -> dict[str, str]:
+    """The class names, for clients, unless they are the torchvision weights' own (read from its meta)."""
+    if c.preprocess_weights:
+        from torchvision.models import get_weight
+
+        if list(get_weight(c.preprocess_weights).meta["categories"]) == list(c.categories):
+            return {}
+    return {"labels": json.dumps(list(c.categories))}
 
 
 def _model_dir(model_dir: Path, labels: str | None) -> Path:

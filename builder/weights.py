@@ -16,14 +16,70 @@ class WeightsError(RuntimeError):
     """The requested model or weights cannot be had."""
 
 
+@dataclass(frozen=True)
+class Preprocessing:
+    """What the served model expects an image to go through: Resize(resize) with `interpolation` ->
+    CenterCrop(crop) -> [0, 1] -> Normalize(mean, std) (torchvision's ImageClassification)."""
+
+    resize: int
+    crop: int
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    interpolation: str = "bilinear"
+
+    def parameters(self) -> dict[str, str]:
+        """The config fields NAME_preprocess and the clients rebuild it from."""
+        return {"resize_size": str(self.resize), "crop_size": str(self.crop),
+                "mean": ",".join(map(repr, self.mean)), "std": ",".join(map(repr, self.std)),
+                "interpolation": self.interpolation}
+
+    def transform(self):
+        from backends.preprocess import transform_from_parameters
+
+        return transform_from_parameters(self.parameters())
+
+    def __str__(self) -> str:
+        return (f"Resize({self.resize}, {self.interpolation}) -> CenterCrop({self.crop}) -> "
+                f"Normalize(mean={list(self.mean)}, std={list(self.std)})")
+
+
+# TorchServe's image_classifier handler: Resize(256) -> CenterCrop(224) -> ToTensor -> Normalize(ImageNet).
+IMAGENET = Preprocessing(256, 224, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+def preprocessing_of(weights: Weights) -> Preprocessing:
+    t = weights.transforms()
+    first = lambda v: int(v[0] if isinstance(v, (list, tuple)) else v)  # noqa: E731
+    return Preprocessing(first(t.resize_size), first(t.crop_size), tuple(map(float, t.mean)),
+                         tuple(map(float, t.std)), t.interpolation.value)
+
+
+@dataclass(frozen=True)
+class ModelCode:
+    """A user's model file (TorchServe's convention: one nn.Module class, no-argument constructor)."""
+
+    file: Path
+    class_name: str
+    extra_files: tuple[Path, ...] = ()  # .py files the model file may import (a .mar's extra files)
+    imports: tuple[str, ...] = ()  # top-level modules the file imports, recorded in the config
+
+
 @dataclass
 class Classifier:
-    name: str
+    name: str  # the served model's name
     module: torch.nn.Module
     weights: str  # what was loaded: a weights enum name, "random(seed=N)" or a file path
-    preprocess: Weights  # whose transforms() the served model expects
+    preprocessing: Preprocessing
     categories: list[str]
     pretrained: bool
+    architecture: str = ""  # the torchvision model whose code runs it; "" when `code` does
+    code: ModelCode | None = None
+    preprocess_weights: str = ""  # torchvision weights whose transforms() and labels it uses, if any
+    source: str = ""  # where it came from, e.g. "archive resnet-18.mar"
+
+    @property
+    def crop(self) -> int:
+        return self.preprocessing.crop
 
 
 def classification_models() -> list[str]:
@@ -75,20 +131,55 @@ def load_classifier(name: str, weights: str = "auto", seed: int = 0) -> Classifi
 def _random(name: str, seed: int, default: Weights) -> Classifier:
     torch.manual_seed(seed)
     module = torchvision.models.get_model(name, weights=None)
-    return Classifier(name, module.eval(), f"random(seed={seed})", default, _categories(default), False)
+    return _torchvision(name, module, f"random(seed={seed})", default, pretrained=False)
 
 
 def _from_file(name: str, path: Path, default: Weights) -> Classifier:
     if not path.is_file():
         raise WeightsError(f"--weights {str(path)!r} is neither {'/'.join(WEIGHT_CHOICES)} nor a file")
+    return _with_state(name, read_state_dict(path), str(path), default, pretrained=True)
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state_dict from `path` with weights_only=True (nothing in the file is executed), or WeightsError
+    in one line saying what the file holds instead."""
+    if not path.is_file():
+        raise WeightsError(f"weights file {path} does not exist")
+    if _is_torchscript(path):
+        raise WeightsError(f"{path} is a TorchScript module, not a state_dict; save model.state_dict() "
+                           "with torch.save and build from that")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch's unpickling errors run to a dozen lines: keep the first
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise WeightsError(f"cannot read a state_dict from {path}: {type(exc).__name__}: {first}") from exc
-    if not isinstance(state, dict):
-        raise WeightsError(f"{path} holds a {type(state).__name__}, not a state_dict")
-    return _with_state(name, state, str(path), default, pretrained=True)
+    except Exception as exc:  # torch's unpickling errors run to a dozen lines: keep what names the cause
+        text = str(exc).strip()
+        culprit = next((line.strip() for line in text.splitlines() if "Unsupported global" in line), "")
+        if "Weights only load failed" in text:
+            raise WeightsError(f"{path} is not a plain state_dict: it pickles Python objects (a whole model?) "
+                               f"that loading would have to run code for{' (' + culprit + ')' if culprit else ''}; "
+                               "save model.state_dict() instead") from None
+        first = (text.splitlines() or [""])[0]
+        raise WeightsError(f"cannot read a state_dict from {path}: {type(exc).__name__}: {first}") from None
+    if isinstance(state, dict) and not _all_tensors(state):  # a training checkpoint holding one
+        nested = [state[key] for key in ("state_dict", "model_state_dict", "model") if isinstance(state.get(key), dict)]
+        state = nested[0] if nested and _all_tensors(nested[0]) else state
+    if not isinstance(state, dict) or not state or not _all_tensors(state):
+        kind = type(state).__name__ if not isinstance(state, dict) else "dict that is not name -> tensor"
+        raise WeightsError(f"{path} holds a {kind}, not a state_dict")
+    return state
+
+
+def _all_tensors(state: dict) -> bool:
+    return all(isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items())
+
+
+def _is_torchscript(path: Path) -> bool:
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/constants.pkl") or "/code/" in name for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
 
 
 def _with_state(name: str, state: dict, label: str, preprocess: Weights, pretrained: bool) -> Classifier:
@@ -99,14 +190,13 @@ def _with_state(name: str, state: dict, label: str, preprocess: Weights, pretrai
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0]
         raise WeightsError(f"weights {label} do not fit {name}: {first}") from exc
-    return Classifier(name, module.eval(), label, preprocess, _categories(preprocess), pretrained)
+    return _torchvision(name, module, label, preprocess, pretrained)
+
+
+def _torchvision(name: str, module: torch.nn.Module, label: str, weights: Weights, pretrained: bool) -> Classifier:
+    return Classifier(name, module.eval(), label, preprocessing_of(weights), _categories(weights), pretrained,
+                      architecture=name, preprocess_weights=str(weights))
 
 
 def _categories(weights: Weights) -> list[str]:
     return list(weights.meta["categories"])
-
-
-def crop_size(weights: Weights) -> int:
-    """The square input side the weights' own transforms() produce."""
-    size = weights.transforms().crop_size
-    return int(size[0] if isinstance(size, (list, tuple)) else size)

@@ -52,15 +52,19 @@ def check_model(triton, model: str) -> dict:
     return config
 
 
-def preprocess_for(config: dict):
-    """The exact transforms() of the weights the model was built for (recorded by build-repo)."""
-    import torchvision
+def _parameters(config: dict) -> dict[str, str]:
+    return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
 
-    name = config.get("parameters", {}).get("preprocess_weights", {}).get("string_value")
-    if not name:
-        raise ClientError(f"model {config.get('name')!r} does not record `preprocess_weights`; "
+
+def preprocess_for(config: dict):
+    """The exact preprocessing the served model expects, as build-repo recorded it in the config."""
+    from backends.preprocess import transform_from_parameters
+
+    params = _parameters(config)
+    if "crop_size" not in params and "preprocess_weights" not in params:
+        raise ClientError(f"model {config.get('name')!r} records no preprocessing (crop_size, mean, std, ...); "
                           "was it built by build-repo?")
-    return torchvision.models.get_weight(name).transforms()
+    return transform_from_parameters(params)
 
 
 def load_images(paths: list[Path], transform) -> np.ndarray:
@@ -91,11 +95,16 @@ def top_k(logits: np.ndarray, labels: list[str], k: int) -> list[list[tuple[str,
 
 
 def labels_for(config: dict) -> list[str]:
-    """Class names from torchvision's weights meta (the same list build-repo wrote to labels.txt)."""
+    """Class names: the config's `labels` (migrated and custom models), else torchvision's weights meta
+    (the same list build-repo wrote to labels.txt)."""
+    import json
+
     import torchvision
 
-    name = config["parameters"]["preprocess_weights"]["string_value"]
-    return list(torchvision.models.get_weight(name).meta["categories"])
+    params = _parameters(config)
+    if params.get("labels"):
+        return list(json.loads(params["labels"]))
+    return list(torchvision.models.get_weight(params["preprocess_weights"]).meta["categories"])
 
 
 def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
@@ -124,13 +133,15 @@ def parse_classes(row) -> list[tuple[str, float]]:
 
 
 def classify_raw(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
-    """Send the files' bytes to the NAME_image ensemble; the server decodes, batches and ranks."""
+    """Send the files' bytes to the NAME_image ensemble (the server decodes, preprocesses and batches),
+    then rank its logits into top-k probabilities, as TorchServe's image_classifier answers."""
     client, triton = connect(url, protocol)
     name = model if model.endswith("_image") else f"{model}_image"
     if not triton.is_model_ready(name):
         raise ClientError(f"model {name!r} is not ready on the server (build-repo writes it beside {model!r})")
-    max_batch = max(1, int(model_config(triton, name).get("max_batch_size", 0)))
-    results = []
+    config = model_config(triton, name)
+    max_batch = max(1, int(config.get("max_batch_size", 0)))
+    logits = []
     for start in range(0, len(paths), max_batch):
         try:
             blobs = np.array([[p.read_bytes()] for p in paths[start:start + max_batch]], dtype=object)
@@ -138,9 +149,9 @@ def classify_raw(paths: list[Path], url: str, protocol: str, model: str, k: int)
             raise ClientError(f"cannot read {exc.filename}: {exc.strerror}") from exc
         tensor = client.InferInput("IMAGE_BYTES", list(blobs.shape), "BYTES")
         tensor.set_data_from_numpy(blobs)
-        reply = triton.infer(name, [tensor], outputs=[client.InferRequestedOutput(OUTPUT, class_count=k)])
-        results += [parse_classes(row) for row in reply.as_numpy(OUTPUT)]
-    return results
+        reply = triton.infer(name, [tensor], outputs=[client.InferRequestedOutput(OUTPUT)])
+        logits.append(reply.as_numpy(OUTPUT))
+    return top_k(np.concatenate(logits), labels_for(config), k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="resnet152", help="model name on the server. Default: resnet152.")
     p.add_argument("--top-k", type=int, default=5, help="classes to print per image. Default: 5.")
     p.add_argument("--raw", action="store_true",
-                   help="send the files' bytes to MODEL_image (server-side decoding) and print the top-k "
-                        "logits of Triton's classification extension. Default: off (preprocess here).")
+                   help="send the files' bytes to MODEL_image (decoding and preprocessing on the server, like "
+                        "TorchServe's `curl -T kitten.jpg`). Default: off (preprocess here, send tensors).")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error("--top-k must be >= 1")
@@ -167,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     for path, rows in zip(args.images, results):
         print(f"{path}:")
-        for label, value in rows:  # probabilities, or logits with --raw
+        for label, value in rows:  # TorchServe's image_classifier prints "label": probability
             print(f'    "{label}": {value:.10f}')
     return 0
 

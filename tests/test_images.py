@@ -85,13 +85,16 @@ def test_bad_image_gets_its_own_error_when_batched_with_good_ones(server, small_
     assert client.is_server_ready() and client.is_model_ready(IMAGE_MODEL) and client.is_model_ready(SMALL)
 
 
-def test_classify_raw_prints_classification_extension_top5_when_given_a_file(server, small_model, capsys):
+def test_classify_raw_prints_top5_probabilities_like_torchserve_when_given_a_file(server, small_model, capsys):
     assert classify.main([str(CAT), "--raw", "--url", server.http_url, "--model", SMALL]) == 0
     lines = capsys.readouterr().out.splitlines()
     expected = _expected_logits(small_model, Image.open(CAT).convert("RGB"))
+    probabilities = np.exp(expected - expected.max()) / np.exp(expected - expected.max()).sum()
     top = np.argsort(-expected)[:5]
     assert lines[0] == f"{CAT}:"
     assert [line.split('"')[1] for line in lines[1:]] == [WEIGHTS.meta["categories"][i] for i in top]
+    served = [float(line.split(":")[1]) for line in lines[1:]]
+    np.testing.assert_allclose(served, probabilities[top], atol=1e-5)
 
 
 def test_curl_script_returns_top5_strings_when_posting_a_file(server, small_model):

@@ -1,0 +1,171 @@
+"""Classifiers that are not a torchvision name: a state_dict (matched against torchvision's
+architectures), a user's model file, labels files in TorchServe's shapes."""
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torchvision
+
+from builder.weights import Classifier, ModelCode, Preprocessing, WeightsError, classification_models
+
+
+def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in state.items()}
+
+
+def match_torchvision(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+    """(torchvision model, number of classes) whose state_dict has exactly these keys and shapes, if one
+    does. Nothing from the weights' origin runs: each candidate is built empty from torchvision's code."""
+    wanted = shapes(state)
+    head = [shape[0] for shape in wanted.values() if len(shape) == 1]
+    for name in classification_models():
+        candidate = _empty_shapes(name, 1000)
+        if candidate is None or candidate.keys() != wanted.keys():
+            continue
+        if candidate == wanted:
+            return name, 1000
+        # Only the classification head may differ: rebuild with the class count the weights have.
+        for classes in dict.fromkeys([head[-1]] if head else []):
+            if _empty_shapes(name, classes) == wanted:
+                return name, classes
+    return None
+
+
+def _empty_shapes(name: str, num_classes: int) -> dict[str, tuple[int, ...]] | None:
+    """Parameter and buffer shapes of `name`, built without memory (meta device, or without init)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            with torch.device("meta"):
+                model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        except Exception:  # regnet computes its widths with tensors: build on CPU, skipping initialization
+            try:
+                with _no_init():
+                    model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+            except Exception:
+                return None
+    return shapes(model.state_dict())
+
+
+@contextlib.contextmanager
+def _no_init():
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, function in saved.items():
+            setattr(torch.nn.init, n, function)
+
+
+def torchvision_classifier(architecture: str, num_classes: int, state: dict, name: str, label: str,
+                           preprocessing: Preprocessing, categories: list[str], source: str) -> Classifier:
+    module = torchvision.models.get_model(architecture, weights=None, num_classes=num_classes)
+    module.load_state_dict(state)
+    return Classifier(name, module.eval(), label, preprocessing, categories, True, architecture=architecture,
+                      source=source)
+
+
+def code_classifier(code: ModelCode, state: dict, name: str, label: str, preprocessing: Preprocessing,
+                    categories: list[str] | None, source: str) -> Classifier:
+    """Runs the model file (the caller checked it may), builds its class with no arguments, loads the weights."""
+    from backends.classifier import import_model_class
+
+    try:
+        cls = import_model_class(code.file, code.class_name or None)
+        module = cls()
+    except ValueError as exc:
+        raise WeightsError(str(exc)) from None
+    except Exception as exc:  # the user's code failed: its first line, not our traceback
+        raise WeightsError(f"model file {code.file.name} failed: {type(exc).__name__}: {_first(exc)}") from None
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as exc:
+        raise WeightsError(f"weights {label} do not fit {cls.__name__} from {code.file.name}: {_first(exc)}") from None
+    module.eval()
+    try:
+        with torch.inference_mode():
+            out = module(torch.zeros(1, 3, preprocessing.crop, preprocessing.crop))
+    except Exception as exc:
+        raise WeightsError(f"{cls.__name__} cannot classify a 3x{preprocessing.crop}x{preprocessing.crop} image: "
+                           f"{type(exc).__name__}: {_first(exc)}") from None
+    if not isinstance(out, torch.Tensor) or out.dim() != 2:
+        raise WeightsError(f"{cls.__name__} must return logits [N, classes], returned "
+                           f"{type(out).__name__} {list(getattr(out, 'shape', []))}")
+    classes = out.shape[1]
+    code = ModelCode(code.file, cls.__name__, code.extra_files, module_imports(code.file))
+    return Classifier(name, module, label, preprocessing, fit_labels(categories, classes, label), True,
+                      code=code, source=source)
+
+
+def fit_labels(categories: list[str] | None, classes: int, label: str) -> list[str]:
+    if categories is None:
+        print(f"WARNING: no labels given: classes are named by their index 0..{classes - 1}", file=sys.stderr)
+        return [str(i) for i in range(classes)]
+    if len(categories) != classes:
+        raise WeightsError(f"{len(categories)} labels for {classes} classes (the weights {label} have {classes})")
+    return categories
+
+
+def load_labels(path: Path) -> list[str]:
+    """Class names in index order from index_to_name.json ({"0": "tench"}, {"0": ["n01440764", "tench"]},
+    ["tench", ...]) or a text file with one name per line. TorchServe shows the last name of a list."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WeightsError(f"cannot read labels {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if path.suffix.lower() != ".json":
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+        if not names:
+            raise WeightsError(f"labels file {path} is empty")
+        return names
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WeightsError(f"labels {path} is not valid JSON: {exc}") from None
+    if isinstance(data, dict):
+        try:
+            indexed = {int(key): value for key, value in data.items()}
+        except ValueError:
+            raise WeightsError(f"labels {path}: keys must be class indices \"0\", \"1\", ...") from None
+        if sorted(indexed) != list(range(len(indexed))):
+            raise WeightsError(f"labels {path}: indices must run 0..{len(indexed) - 1} without gaps")
+        data = [indexed[i] for i in range(len(indexed))]
+    if not isinstance(data, list) or not data:
+        raise WeightsError(f"labels {path} must map indices to names or list names")
+    names = []
+    for index, value in enumerate(data):
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            value = value[-1]
+        if not isinstance(value, str):
+            raise WeightsError(f"labels {path}: class {index} is {value!r}, not a name")
+        names.append(value)
+    return names
+
+
+def module_imports(path: Path) -> tuple[str, ...]:
+    """Top-level modules a model file imports (what the serving environment must have)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return ()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [alias.name.split(".")[0] for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append(node.module.split(".")[0])
+    return tuple(dict.fromkeys(found))
+
+
+def _first(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

