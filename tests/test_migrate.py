@@ -230,6 +230,11 @@ def _malformed(tmp_path: Path, kind: str) -> tuple[Path, str, list[str]]:
         return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": manifest, "weights.pth": _state_bytes(state),
                                           "model.py": CUSTOM_MODEL.format(marker="/dev/null").encode()}),
                 "do not fit TinyNet", ["--trust-model-code"])
+    if kind == "member-outside":
+        escaping = _manifest(serializedFile="../escaped.pth", modelFile="model.py")
+        return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": escaping, "model.py": b"",
+                                          "../escaped.pth": _state_bytes(resnet.state_dict())}),
+                "points outside the archive", [])
     if kind == "custom-handler":
         handled = _manifest(serializedFile="weights.pth", modelFile="model.py", handler="my_handler.py")
         return (_zip(tmp_path / "x.mar", {"MAR-INF/MANIFEST.json": handled, "weights.pth": _state_bytes({}),
@@ -239,7 +244,7 @@ def _malformed(tmp_path: Path, kind: str) -> tuple[Path, str, list[str]]:
 
 
 @pytest.mark.parametrize("kind", ["not-a-zip", "no-manifest", "missing-weights", "pickled-model", "torchscript",
-                                  "weights-fit-nothing", "custom-handler"])
+                                  "weights-fit-nothing", "member-outside", "custom-handler"])
 def test_malformed_archive_gets_one_line_and_writes_nothing(tmp_path, kind, capsys):
     archive, phrase, extra = _malformed(tmp_path, kind)
     repo = tmp_path / "repo"
