@@ -8,6 +8,7 @@ import argparse
 import signal
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from builder.cliutil import OneLineParser
@@ -237,36 +238,36 @@ def _archive_batching(args, archive) -> None:
         args.instances = archive.workers
 
 
-def _preprocessing(args, archive) -> Preprocessing | None:
-    """The flags over their base: the preset, the archive handler's, or (None) the torchvision weights'."""
-    base = IMAGENET if args.preprocess == "imagenet" else None
-    if base is None and archive is not None and archive.image_classifier:
-        base = IMAGENET
+def _preprocessing_flags(args) -> dict:
     given = {"resize": args.resize, "crop": args.crop, "mean": tuple(args.mean) if args.mean else None,
              "std": tuple(args.std) if args.std else None, "interpolation": args.interpolation}
-    given = {key: value for key, value in given.items() if value is not None}
-    if base is None and args.model is not None:  # overrides of the torchvision weights' transforms()
-        return given or None
-    if base is None:
-        missing = [f"--{key}" for key in ("resize", "crop", "mean", "std") if key not in given]
-        if missing:
-            what = (f"the archive's handler {archive.handler!r} is not TorchServe's image_classifier, so its "
-                    "preprocessing is unknown" if archive is not None else "a model file's preprocessing is unknown")
-            raise cfg.ConfigError(f"{what}: give it with --preprocess imagenet ({IMAGENET}) or "
-                                  f"--resize, --crop, --mean and --std (missing {', '.join(missing)})")
-        return Preprocessing(**given)
-    return Preprocessing(**{**base.__dict__, **given})
+    return {key: value for key, value in given.items() if value is not None}
 
 
-def _classifier(args, archive, name: str, preprocessing) -> Classifier:
+def _preprocessing(args, archive) -> Preprocessing | None:
+    """The flags over their base (the preset, or the archive handler's). None: the torchvision weights'
+    transforms(), known once they load, with the flags applied then."""
+    given = _preprocessing_flags(args)
+    if args.preprocess == "imagenet" or (archive is not None and archive.image_classifier):
+        return replace(IMAGENET, **given)
+    if args.model is not None:
+        return None
+    missing = [f"--{key}" for key in ("resize", "crop", "mean", "std") if key not in given]
+    if missing:
+        what = (f"the archive's handler {archive.handler!r} is not TorchServe's image_classifier, so its "
+                "preprocessing is unknown" if archive is not None else "a model file's preprocessing is unknown")
+        raise cfg.ConfigError(f"{what}: give it with --preprocess imagenet ({IMAGENET}) or "
+                              f"--resize, --crop, --mean and --std (missing {', '.join(missing)})")
+    return Preprocessing(**given)
+
+
+def _classifier(args, archive, name: str, preprocessing: Preprocessing | None) -> Classifier:
     """The slow part: load the weights (never executing code unless asked) and build the module."""
     labels = custom.load_labels(args.labels) if args.labels else None
     if args.model is not None:
         classifier = load_classifier(args.model, args.weights, args.seed)
-        if isinstance(preprocessing, dict):  # some fields overridden
-            preprocessing = Preprocessing(**{**classifier.preprocessing.__dict__, **preprocessing})
         classifier.name = name
-        classifier.preprocessing = preprocessing or classifier.preprocessing
+        classifier.preprocessing = preprocessing or replace(classifier.preprocessing, **_preprocessing_flags(args))
         if labels is not None:
             classifier.categories = custom.fit_labels(labels, len(classifier.categories), classifier.weights)
         return classifier

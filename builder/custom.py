@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 import torchvision
 
-from builder.weights import Classifier, ModelCode, Preprocessing, WeightsError, classification_models
+from builder.weights import (Classifier, ModelCode, Preprocessing, WeightsError, classification_models,
+                             torchvision_module)
 
 
 def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -31,9 +32,8 @@ def match_torchvision(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
         if candidate == wanted:
             return name, 1000
         # Only the classification head may differ: rebuild with the class count the weights have.
-        for classes in dict.fromkeys([head[-1]] if head else []):
-            if _empty_shapes(name, classes) == wanted:
-                return name, classes
+        if head and _empty_shapes(name, head[-1]) == wanted:
+            return name, head[-1]
     return None
 
 
@@ -68,10 +68,8 @@ def _no_init():
 
 def torchvision_classifier(architecture: str, num_classes: int, state: dict, name: str, label: str,
                            preprocessing: Preprocessing, categories: list[str], source: str) -> Classifier:
-    module = torchvision.models.get_model(architecture, weights=None, num_classes=num_classes)
-    module.load_state_dict(state)
-    return Classifier(name, module.eval(), label, preprocessing, categories, True, architecture=architecture,
-                      source=source)
+    module = torchvision_module(architecture, num_classes, state, label)
+    return Classifier(name, module, label, preprocessing, categories, True, architecture=architecture, source=source)
 
 
 def code_classifier(code: ModelCode, state: dict, name: str, label: str, preprocessing: Preprocessing,

@@ -68,10 +68,6 @@ def manifest(path: Path) -> dict:
     return data
 
 
-def model_name(path: Path) -> str:
-    return manifest(path)["model"]["modelName"]
-
-
 def read(path: Path, workdir: Path) -> Archive:
     """Extract what a migration needs into `workdir` (nothing outside it, nothing executed)."""
     model = manifest(path)["model"]

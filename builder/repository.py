@@ -149,7 +149,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     side = c.crop
     labels = "\n".join(c.categories) + "\n"
     image, logits = _image(side), cfg.Tensor("LOGITS", "TYPE_FP32", (len(c.categories),), "labels.txt")
-    common = _provenance(c)
+    common, named = _provenance(c), _labels_parameter(c)
 
     version = _model_dir(staging / c.name, labels)
     torch.save(c.module.state_dict(), version / "weights.pt")
@@ -170,7 +170,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "weights_file": "weights.pt", "engine": options.engine,
         "num_threads": str(options.num_threads), "precision": options.precision,
         "cuda_graphs": "1" if options.cuda_graphs else "0", "cudnn_benchmark": "1" if options.cudnn_benchmark else "0",
-        "batch_buckets": ",".join(map(str, options.buckets)), **code, **_labels_parameter(c), **common})
+        "batch_buckets": ",".join(map(str, options.buckets)), **code, **named, **common})
 
     pre = f"{c.name}_preprocess"
     version = _model_dir(staging / pre, None)
@@ -188,7 +188,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     steps = (cfg.Step(pre, {"IMAGE_BYTES": "IMAGE_BYTES"}, {"IMAGE": "image"}),
              cfg.Step(c.name, {"IMAGE": "image"}, {"LOGITS": "LOGITS"}))
     _config(staging / ensemble, _image_bytes(), logits, cfg.Format.ENSEMBLE, options,
-            {**_labels_parameter(c), **common}, steps)
+            {**named, **common}, steps)
 
     for fmt, output_name in (("onnx", "LOGITS"), ("torchscript", export.TORCHSCRIPT_OUTPUT)):
         if fmt in options.formats:

@@ -33,11 +33,6 @@ class Preprocessing:
                 "mean": ",".join(map(repr, self.mean)), "std": ",".join(map(repr, self.std)),
                 "interpolation": self.interpolation}
 
-    def transform(self):
-        from backends.preprocess import transform_from_parameters
-
-        return transform_from_parameters(self.parameters())
-
     def __str__(self) -> str:
         return (f"Resize({self.resize}, {self.interpolation}) -> CenterCrop({self.crop}) -> "
                 f"Normalize(mean={list(self.mean)}, std={list(self.std)})")
@@ -183,14 +178,19 @@ def _is_torchscript(path: Path) -> bool:
 
 
 def _with_state(name: str, state: dict, label: str, preprocess: Weights, pretrained: bool) -> Classifier:
-    num_classes = len(_categories(preprocess))
+    module = torchvision_module(name, len(_categories(preprocess)), state, label)
+    return _torchvision(name, module, label, preprocess, pretrained)
+
+
+def torchvision_module(name: str, num_classes: int, state: dict, label: str) -> torch.nn.Module:
+    """torchvision's `name` with `num_classes` outputs and these weights, or WeightsError in one line."""
     module = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
     try:
         module.load_state_dict(state)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0]
         raise WeightsError(f"weights {label} do not fit {name}: {first}") from exc
-    return _torchvision(name, module, label, preprocess, pretrained)
+    return module.eval()
 
 
 def _torchvision(name: str, module: torch.nn.Module, label: str, weights: Weights, pretrained: bool) -> Classifier:

@@ -123,15 +123,6 @@ def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> 
     return top_k(logits, labels_for(config), k)
 
 
-def parse_classes(row) -> list[tuple[str, float]]:
-    """Triton's classification extension answers "score:index:label" per class."""
-    parsed = []
-    for item in row:
-        score, index, *label = (item.decode() if isinstance(item, bytes) else str(item)).split(":", 2)
-        parsed.append((label[0] if label else index, float(score)))
-    return parsed
-
-
 def classify_raw(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
     """Send the files' bytes to the NAME_image ensemble (the server decodes, preprocesses and batches),
     then rank its logits into top-k probabilities, as TorchServe's image_classifier answers."""
