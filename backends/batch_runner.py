@@ -1,33 +1,13 @@
 """Run gathered request tensors as one batch on one device: staging, precision, CUDA graphs per bucket.
 
 build-repo copies this file beside the classifier's model.py (Triton puts the version folder on
-sys.path); clients.bench imports it as backends.batch_runner to time the very same path in-process.
+sys.path); perf imports it as backends.batch_runner to time the very same path in-process.
 """
 from __future__ import annotations
 
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def buckets_for(max_batch: int) -> list[int]:
-    """Powers of two up to max_batch, and max_batch itself: a batch pads to the next bucket."""
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max(max_batch, 1)]
-
-
-def parse_buckets(text: str, max_batch: int) -> list[int]:
-    if not text.strip():
-        return buckets_for(max_batch)
-    sizes = sorted({int(part) for part in text.split(",") if part.strip()})
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"batch_buckets must be positive integers, got {text!r}")
-    if sizes[-1] < max_batch:  # every batch Triton can form must fit a bucket
-        sizes.append(max_batch)
-    return sizes
 
 
 class BatchRunner:

@@ -8,15 +8,14 @@ import argparse
 import signal
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
-from builder.cliutil import OneLineParser
 from builder import config as cfg
-from builder.repository import ENGINES, BuildError, Options, build, check_free, check_writable
-from builder import custom, mar
-from builder.weights import (IMAGENET, WEIGHT_CHOICES, Classifier, ModelCode, Preprocessing, WeightsError,
-                             classification_models, load_classifier, read_state_dict)
+from builder import mar, sources
+from builder.plan import check_source, make_plan
+from builder.repository import ENGINES, BuildError, build, check_free, check_writable
+from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
+from common.cli import OneLineParser
 
 FORMATS = ("python", "onnx", "torchscript")
 
@@ -98,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a batch; more are rejected at once (UNAVAILABLE, "
                         f"'Exceeds maximum queue size'). 0 is unbounded. Default: {cpu.max_queue_size} (cpu), "
                         f"{gpu.max_queue_size} (gpu).")
-    p.add_argument("--queue-timeout-ms", type=_delay_ms,
+    p.add_argument("--queue-timeout-ms", dest="queue_timeout_us", type=_delay_ms,
                    help="longest a request may wait in the queue before --timeout-action; 0: no timeout. "
                         f"Default: {cpu.queue_timeout_ms:g} (cpu), {gpu.queue_timeout_ms:g} (gpu).")
     p.add_argument("--timeout-action", choices=("reject", "delay"), default="reject",
@@ -163,16 +162,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args, workdir: Path) -> int:
     archive = None
     try:
-        _check_source(args)
+        check_source(args)  # before reading an archive
         if args.from_mar is not None:
             archive = mar.read(args.from_mar, workdir / "archive")
-            _archive_batching(args, archive)
-        name = _served_name(args, archive)
-        kind = _instance_kind(args.kind)
-        options = _options(args, kind)
-        probe = cfg.Tensor("IMAGE", "TYPE_FP32", (3, 224, 224))
-        cfg.ModelSpec(name, (probe,), (probe,), batching=options.batching, instances=options.instances).validate()
-        preprocessing = _preprocessing(args, archive)
+        plan = make_plan(args, archive)
     except cfg.ConfigError as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 2
@@ -180,11 +173,11 @@ def _main(args, workdir: Path) -> int:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 1
     try:
-        check_free(args.output, name, args.formats, args.force)  # before the slow part
+        check_free(args.output, plan.name, plan.options.formats, args.force)  # before the slow part
         check_writable(args.output)
-        classifier = _classifier(args, archive, name, preprocessing)
-        print(f"serving {name}: {_describe(classifier)}; preprocessing {classifier.preprocessing}")
-        for path in build(classifier, args.output, options, force=args.force):
+        classifier = sources.load(plan, archive)
+        print(f"serving {plan.name}: {sources.describe(classifier)}; preprocessing {classifier.preprocessing}")
+        for path in build(classifier, args.output, plan.options, force=args.force):
             print(f"wrote {path}")
     except (BuildError, WeightsError, cfg.ConfigError) as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
@@ -192,168 +185,8 @@ def _main(args, workdir: Path) -> int:
     return 0
 
 
-def _check_source(args) -> None:
-    sources = [flag for flag, value in (("--model", args.model), ("--from-mar", args.from_mar),
-                                        ("--model-file", args.model_file)) if value is not None]
-    if len(sources) > 1:
-        raise cfg.ConfigError(f"{' and '.join(sources)} both name the model: give one")
-    if args.from_mar is not None:
-        for flag, value in (("--weights", args.weights),):
-            if value is not None:
-                raise cfg.ConfigError(f"{flag} does not go with --from-mar: the archive holds the weights")
-        return
-    if args.model_file is not None:
-        if not args.model_file.is_file():
-            raise cfg.ConfigError(f"--model-file {str(args.model_file)!r} is not a file")
-        if args.weights is None or args.weights in WEIGHT_CHOICES or not Path(args.weights).is_file():
-            raise cfg.ConfigError("--model-file needs --weights PATH, an existing state_dict file")
-        return
-    if args.model_class is not None:
-        raise cfg.ConfigError("--model-class goes with --model-file or --from-mar")
-    args.model = args.model or "resnet152"
-    args.weights = args.weights or "auto"
-    if args.model not in classification_models():
-        raise cfg.ConfigError(f"unknown torchvision classification model {args.model!r} "
-                              "(e.g. resnet18, resnet152, efficientnet_b0)")
-    if args.weights not in WEIGHT_CHOICES and not Path(args.weights).is_file():
-        raise cfg.ConfigError(f"--weights {args.weights!r} is neither one of {', '.join(WEIGHT_CHOICES)} "
-                              "nor an existing state_dict file")
-
-
-def _served_name(args, archive) -> str:
-    if args.name:
-        return args.name
-    if archive is not None:
-        return archive.name
-    return args.model_file.stem if args.model_file is not None else args.model
-
-
-def _archive_batching(args, archive) -> None:
-    """model-config.yaml's batchSize / maxBatchDelay (ms) / minWorkers, where no flag says otherwise."""
-    if args.max_batch_size is None and archive.batch_size is not None:
-        args.max_batch_size = archive.batch_size
-    if args.max_queue_delay_us is None and archive.max_batch_delay_ms is not None:
-        args.max_queue_delay_us = round(archive.max_batch_delay_ms * 1000)
-    if args.instances is None and archive.workers:
-        args.instances = archive.workers
-
-
-def _preprocessing_flags(args) -> dict:
-    given = {"resize": args.resize, "crop": args.crop, "mean": tuple(args.mean) if args.mean else None,
-             "std": tuple(args.std) if args.std else None, "interpolation": args.interpolation}
-    return {key: value for key, value in given.items() if value is not None}
-
-
-def _preprocessing(args, archive) -> Preprocessing | None:
-    """The flags over their base (the preset, or the archive handler's). None: the torchvision weights'
-    transforms(), known once they load, with the flags applied then."""
-    given = _preprocessing_flags(args)
-    if args.preprocess == "imagenet" or (archive is not None and archive.image_classifier):
-        return replace(IMAGENET, **given)
-    if args.model is not None:
-        return None
-    missing = [f"--{key}" for key in ("resize", "crop", "mean", "std") if key not in given]
-    if missing:
-        what = (f"the archive's handler {archive.handler!r} is not TorchServe's image_classifier, so its "
-                "preprocessing is unknown" if archive is not None else "a model file's preprocessing is unknown")
-        raise cfg.ConfigError(f"{what}: give it with --preprocess imagenet ({IMAGENET}) or "
-                              f"--resize, --crop, --mean and --std (missing {', '.join(missing)})")
-    return Preprocessing(**given)
-
-
-def _classifier(args, archive, name: str, preprocessing: Preprocessing | None) -> Classifier:
-    """The slow part: load the weights (never executing code unless asked) and build the module."""
-    labels = custom.load_labels(args.labels) if args.labels else None
-    if args.model is not None:
-        classifier = load_classifier(args.model, args.weights, args.seed)
-        classifier.name = name
-        classifier.preprocessing = preprocessing or replace(classifier.preprocessing, **_preprocessing_flags(args))
-        if labels is not None:
-            classifier.categories = custom.fit_labels(labels, len(classifier.categories), classifier.weights)
-        return classifier
-    if archive is not None:
-        return _from_archive(args, archive, name, preprocessing, labels)
-    code = ModelCode(args.model_file.resolve(), args.model_class or "")
-    state = read_state_dict(Path(args.weights))
-    return custom.code_classifier(code, state, name, args.weights, preprocessing, labels,
-                                  source=f"model file {args.model_file.name}")
-
-
-def _from_archive(args, archive, name: str, preprocessing: Preprocessing, labels) -> Classifier:
-    state = read_state_dict(archive.serialized_file)
-    if labels is None and archive.labels_file is not None:
-        labels = custom.load_labels(archive.labels_file)
-    label = f"{archive.path.name}:{archive.serialized_file.name}"
-    source = f"TorchServe archive {archive.path.name} (handler {archive.handler})"
-    match = None if args.model_class else custom.match_torchvision(state)
-    if match is not None:
-        architecture, classes = match
-        return custom.torchvision_classifier(architecture, classes, state, name, label, preprocessing,
-                                             custom.fit_labels(labels, classes, label), source)
-    if archive.model_file is None:
-        raise mar.ArchiveError(f"the weights in {archive.path.name} fit no torchvision classification model and "
-                               "the archive has no model file to build them with")
-    if not args.trust_model_code:
-        raise mar.ArchiveError(f"the weights in {archive.path.name} fit no torchvision classification model, so "
-                               f"serving them means running the archive's {archive.model_file.name}; pass "
-                               "--trust-model-code if you trust its code (nothing from it was run)")
-    code = ModelCode(archive.model_file, args.model_class or "", tuple(archive.extra_files))
-    return custom.code_classifier(code, state, name, label, preprocessing, labels, source)
-
-
-def _describe(c: Classifier) -> str:
-    if c.code is not None:
-        return f"{c.code.class_name} from {c.code.file.name}, weights {c.weights}, {len(c.categories)} classes"
-    origin = f" ({c.source}: the weights fit torchvision's {c.architecture}, whose code serves them)" if c.source else ""
-    return f"torchvision {c.architecture}, weights {c.weights}, {len(c.categories)} classes{origin}"
-
-
 def _terminate(signum, frame):
     raise KeyboardInterrupt
-
-
-def _options(args, kind: cfg.InstanceKind) -> Options:
-    """The flags, with each unset one taken from the defaults for the instance kind."""
-    from backends.batch_runner import buckets_for
-
-    gpu, default = kind == cfg.InstanceKind.GPU, cfg.DEFAULTS[kind]
-    engine = args.engine if args.engine != "auto" else ("torch" if gpu else "onnxruntime")
-    if args.precision != "fp32" and not gpu:
-        raise cfg.ConfigError(f"--precision {args.precision} needs --kind gpu; CPU instances run fp32")
-    if args.precision != "fp32" and engine == "onnxruntime":
-        raise cfg.ConfigError(f"--precision {args.precision} needs --engine torch or torchscript "
-                              "(onnxruntime runs the fp32 export)")
-    max_batch = default.max_batch_size if args.max_batch_size is None else args.max_batch_size
-    buckets = tuple(buckets_for(max_batch)) if max_batch and gpu else ()
-    if args.batch_buckets:
-        if max(args.batch_buckets) > max(max_batch, 1):
-            raise cfg.ConfigError(f"--batch-buckets {max(args.batch_buckets)} exceeds `max_batch_size` {max_batch}")
-        buckets = tuple(sorted(set(args.batch_buckets) | {max(max_batch, 1)}))
-    preferred = args.preferred_batch_size
-    if preferred is None:
-        preferred = list(buckets) if gpu and max_batch else []
-    delay = default.max_queue_delay_us if args.max_queue_delay_us is None else args.max_queue_delay_us
-    if args.decode_device == "gpu" and not gpu:
-        raise cfg.ConfigError("--decode-device gpu needs --kind gpu")
-    graphs = gpu and engine != "onnxruntime" if args.cuda_graphs is None else args.cuda_graphs
-    if graphs and engine == "onnxruntime":
-        raise cfg.ConfigError("--cuda-graphs needs --engine torch or torchscript")
-    size = default.max_queue_size if args.max_queue_size is None else args.max_queue_size
-    timeout = int(default.queue_timeout_ms * 1000) if args.queue_timeout_ms is None else args.queue_timeout_ms  # µs
-    queue = None
-    if max_batch and (size or timeout or args.allow_timeout_override or args.timeout_action != "reject"):
-        queue = cfg.QueuePolicy(size, timeout, args.timeout_action.upper(), args.allow_timeout_override)
-    return Options(cfg.Batching(max_batch, delay if max_batch else 0, tuple(preferred), queue), kind,
-                   args.instances or default.instances, args.num_threads, engine, args.formats, args.verify,
-                   args.precision, bool(graphs and gpu), args.cudnn_benchmark, buckets, args.decode_device)
-
-
-def _instance_kind(kind: str) -> cfg.InstanceKind:
-    if kind == "auto":
-        import torch
-
-        kind = "gpu" if torch.cuda.is_available() else "cpu"
-    return cfg.InstanceKind.GPU if kind == "gpu" else cfg.InstanceKind.CPU
 
 
 if __name__ == "__main__":

@@ -6,12 +6,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
+
+from common.modelconfig import to_text
 
 # Shipped batching defaults. A zero queue delay means an idle server runs each request at once
 # (no TorchServe-style batch-delay spike at low load), while a busy one still forms batches from
-# whatever queued during the previous forward pass. bench/results/README.md has the measurements.
+# whatever queued during the previous forward pass. perf/results/README.md has the measurements.
 DEFAULT_MAX_BATCH_SIZE = 8
 DEFAULT_MAX_QUEUE_DELAY_US = 0
 
@@ -39,9 +40,9 @@ class KindDefaults:
 # What `build-repo --kind K` ships when a flag is not given. A GPU wants big batches (ResNet-152 fp16
 # on an H100: 2000 img/s at batch 8, 6200 at 64 with CUDA graphs), a short delay so a batch forms
 # while the other instance computes, and two instances so one copies/prepares while the other runs.
-# The queue bounds keep latency bounded under overload (clients.overload measures it): a request waits
+# The queue bounds keep latency bounded under overload (perf.overload measures it): a request waits
 # at most the timeout, then gets an error it can retry elsewhere, instead of waiting behind thousands.
-# CPU: ResNet-152 on 2 cores serves ~7 img/s, so 10 s still covers clients.bench's 32 clients and
+# CPU: ResNet-152 on 2 cores serves ~7 img/s, so 10 s still covers perf.bench's 32 clients and
 # TorchServe's default job queue (100) fits; GPU: 64-image batches every ~25 ms, 1 s is ~40 batches.
 DEFAULTS = {
     InstanceKind.CPU: KindDefaults(DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, 1, 128, 10_000),
@@ -207,19 +208,7 @@ class ModelSpec:
         return config
 
 
-def to_text(config: mc.ModelConfig) -> str:
-    return text_format.MessageToString(config)
-
-
 def write_config(config: mc.ModelConfig, model_dir: Path) -> Path:
     path = Path(model_dir) / "config.pbtxt"
     path.write_text(to_text(config))
     return path
-
-
-def read_config(path: Path) -> mc.ModelConfig:
-    """Parse a config.pbtxt (or a model directory holding one) into ModelConfig."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.pbtxt"
-    return text_format.Parse(path.read_text(), mc.ModelConfig())

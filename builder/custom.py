@@ -75,7 +75,7 @@ def torchvision_classifier(architecture: str, num_classes: int, state: dict, nam
 def code_classifier(code: ModelCode, state: dict, name: str, label: str, preprocessing: Preprocessing,
                     categories: list[str] | None, source: str) -> Classifier:
     """Runs the model file (the caller checked it may), builds its class with no arguments, loads the weights."""
-    from backends.classifier import import_model_class
+    from common.model_code import import_model_class
 
     try:
         cls = import_model_class(code.file, code.class_name or None)

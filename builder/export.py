@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-INPUT, OUTPUT = "IMAGE", "LOGITS"
+from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
 # The LibTorch backend binds inputs by forward() argument name, outputs by `<name>__<index>`.
 TORCHSCRIPT_OUTPUT = f"{OUTPUT}__0"
 ONNX_OPSET = 17

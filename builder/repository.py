@@ -16,8 +16,17 @@ import torch
 from builder import config as cfg
 from builder import export
 from builder.weights import Classifier
+from common.contract import IMAGE, IMAGE_BYTES, LOGITS
+from common.procs import pid_alive
 
-BACKENDS = Path(__file__).resolve().parent.parent / "backends"
+_ROOT = Path(__file__).resolve().parent.parent
+# What each python model's version folder holds: model.py and the modules it imports from beside it.
+CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "backends/batch_runner.py",
+                    "engines.py": "backends/engines.py", "triton_io.py": "backends/triton_io.py",
+                    "contract.py": "common/contract.py", "model_code.py": "common/model_code.py"}
+PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "backends/decoding.py",
+                    "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
+                    "transforms.py": "common/transforms.py"}
 ENGINES = ("torch", "torchscript", "onnxruntime")
 CODE_DIR = "model_code"  # the user's model file in the version folder (engine torch)
 ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx"}  # engine -> export it runs
@@ -73,7 +82,7 @@ def remove_stale_staging(output: Path) -> list[Path]:
     removed = []
     for folder in output.resolve().parent.glob(f".{output.resolve().name}-build-*"):
         pid = folder.name.rsplit("-build-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
@@ -148,13 +157,12 @@ def _export(classifier: Classifier, folder: Path, options: Options) -> dict[str,
 def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[str, Path]) -> None:
     side = c.crop
     labels = "\n".join(c.categories) + "\n"
-    image, logits = _image(side), cfg.Tensor("LOGITS", "TYPE_FP32", (len(c.categories),), "labels.txt")
+    image, logits = _image(side), cfg.Tensor(LOGITS, "TYPE_FP32", (len(c.categories),), "labels.txt")
     common, named = _provenance(c), _labels_parameter(c)
 
     version = _model_dir(staging / c.name, labels)
     torch.save(c.module.state_dict(), version / "weights.pt")
-    shutil.copyfile(BACKENDS / "classifier.py", version / "model.py")
-    shutil.copyfile(BACKENDS / "batch_runner.py", version / "batch_runner.py")
+    _copy_backend(CLASSIFIER_FILES, version)
     code = {}
     if c.code is not None and options.engine == "torch":  # the only engine that runs the model's Python code
         (version / CODE_DIR).mkdir()
@@ -174,7 +182,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
 
     pre = f"{c.name}_preprocess"
     version = _model_dir(staging / pre, None)
-    shutil.copyfile(BACKENDS / "preprocess.py", version / "model.py")
+    _copy_backend(PREPROCESS_FILES, version)
     # decode_device gpu: JPEGs are decoded on the GPU and IMAGE stays in GPU memory between the two
     # steps of the ensemble (Triton's CUDA memory pool). Otherwise decoding runs on CPU instances and
     # the classifier stages the CPU tensors once per batch.
@@ -185,12 +193,12 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
 
     ensemble = f"{c.name}_image"
     _model_dir(staging / ensemble, labels)
-    steps = (cfg.Step(pre, {"IMAGE_BYTES": "IMAGE_BYTES"}, {"IMAGE": "image"}),
-             cfg.Step(c.name, {"IMAGE": "image"}, {"LOGITS": "LOGITS"}))
+    steps = (cfg.Step(pre, {IMAGE_BYTES: IMAGE_BYTES}, {IMAGE: "image"}),
+             cfg.Step(c.name, {IMAGE: "image"}, {LOGITS: LOGITS}))
     _config(staging / ensemble, _image_bytes(), logits, cfg.Format.ENSEMBLE, options,
             {**named, **common}, steps)
 
-    for fmt, output_name in (("onnx", "LOGITS"), ("torchscript", export.TORCHSCRIPT_OUTPUT)):
+    for fmt, output_name in (("onnx", LOGITS), ("torchscript", export.TORCHSCRIPT_OUTPUT)):
         if fmt in options.formats:
             name = f"{c.name}_{fmt}"
             version = _model_dir(staging / name, labels)
@@ -224,6 +232,11 @@ def _labels_parameter(c: Classifier) -> dict[str, str]:
     return {"labels": json.dumps(list(c.categories))}
 
 
+def _copy_backend(files: dict[str, str], version: Path) -> None:
+    for name, source in files.items():
+        shutil.copyfile(_ROOT / source, version / name)
+
+
 def _model_dir(model_dir: Path, labels: str | None) -> Path:
     version = model_dir / "1"
     version.mkdir(parents=True)
@@ -243,16 +256,6 @@ def _staging_prefix(output: Path) -> str:
     return f".{output.resolve().name}-build-{os.getpid()}-"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
 def _swap_in(built: Path, target: Path) -> Path:
     if target.exists():
         retired = built.with_name(built.name + ".old")
@@ -264,8 +267,8 @@ def _swap_in(built: Path, target: Path) -> Path:
 
 
 def _image(side: int) -> cfg.Tensor:
-    return cfg.Tensor("IMAGE", "TYPE_FP32", (3, side, side))
+    return cfg.Tensor(IMAGE, "TYPE_FP32", (3, side, side))
 
 
 def _image_bytes() -> cfg.Tensor:
-    return cfg.Tensor("IMAGE_BYTES", "TYPE_STRING", (1,))
+    return cfg.Tensor(IMAGE_BYTES, "TYPE_STRING", (1,))

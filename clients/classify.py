@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.cliutil import OneLineParser
+from common.cli import OneLineParser
 
-INPUT, OUTPUT = "IMAGE", "LOGITS"
+from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
 
 
 class ClientError(RuntimeError):
@@ -58,7 +58,7 @@ def _parameters(config: dict) -> dict[str, str]:
 
 def preprocess_for(config: dict):
     """The exact preprocessing the served model expects, as build-repo recorded it in the config."""
-    from backends.preprocess import transform_from_parameters
+    from common.transforms import transform_from_parameters
 
     params = _parameters(config)
     if "crop_size" not in params and "preprocess_weights" not in params:

@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 from builder import cli as build_repo
-from server.triton import ServerError, TritonServer, free_port
+from server.triton import ServerError, TritonServer
+from common.procs import free_port
 from clients import classify
 
 SAMPLE = Path(__file__).resolve().parent / "samples" / "chelsea.jpg"  # scikit-image's cat, CC0

@@ -8,9 +8,10 @@ import sys
 import threading
 from pathlib import Path
 
-from builder.cliutil import OneLineParser
+from common.cli import OneLineParser
 from server.supervisor import Supervisor
-from server.triton import GPU_FLAGS, ServerError, TritonServer
+from server.repo import GPU_FLAGS
+from server.triton import ServerError, TritonServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--metrics-port", type=int, default=8002, help="Default: 8002.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind. Default: 127.0.0.1.")
     p.add_argument("--model-control", choices=("none", "explicit"), default="none",
-                   help="explicit: models may be (re)loaded live through the repository API (clients.tune "
+                   help="explicit: models may be (re)loaded live through the repository API (perf.tune "
                         "uses it). none: the repository API needs a key only serve-repo holds. The server "
                         "always runs in Triton's explicit mode so that it can skip models it has no backend "
                         "for and reload a model whose stub died. Default: none.")

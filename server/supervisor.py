@@ -149,10 +149,17 @@ class Supervisor:
             raise ServerError("stopped while loading")
 
     def _state(self, model: str) -> str:
-        for entry in self.server.repository_api("index"):
+        for entry in self.server.repository_api("index", timeout=5):
             if entry.get("name") == model:
                 return entry.get("state", "")
         return ""
+
+    def _wait_unloaded(self, model: str, limit: float = 30) -> None:
+        """Until the index no longer says READY/UNLOADING (or `limit` s), returning at once on a stop."""
+        deadline = time.monotonic() + limit
+        while self._state(model) in ("READY", "UNLOADING") and time.monotonic() < deadline:
+            if self._stop.wait(0.05):
+                raise ServerError("stopped while unloading")
 
     def reload(self, model: str, why: str) -> None:
         started = time.monotonic()
@@ -162,9 +169,7 @@ class Supervisor:
             # Triton answers the unload at once and unloads in the background (~1 s with a dead stub);
             # a load issued before that finished is a version swap during which the broken model
             # stays READY. So: wait until the index says it is unloaded, then load.
-            deadline = time.monotonic() + 30
-            while self._state(model) in ("READY", "UNLOADING") and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._wait_unloaded(model)
             self._interruptible(lambda: self.server.repository_api("load", model))
         except ServerError as error:
             self.log(f"serve-repo: {model}: reload failed: {error}")

@@ -1,16 +1,11 @@
 """The real tritonserver bundled in the nvidia-pytriton wheel, as one child process that dies with us."""
 from __future__ import annotations
 
-import collections
-import ctypes
-import importlib.util
 import json
 import os
-import re
-import shutil
 import secrets
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,194 +15,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-# Triton logs: failed to load 'resnet18' version 1: Internal: KeyError: ...\n\nAt: ...
-_LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*)")
-# What a CPU-only machine always logs; never the reason for a failure.
-_HARMLESS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver version is insufficient")
-# How a process says it crashed (C++ exceptions, fatal signals, the kernel's OOM answer): these come first.
-_CRASH = re.compile(r"terminate called|what\(\)|std::bad_alloc|Signal \(\d+\) received|Segmentation fault|"
-                    r"Aborted|core dumped|out of memory", re.IGNORECASE)
-# Our names in /tmp and /dev/shm carry the owning process id, so that a later start can tell
-# what a killed serve-repo left behind (its pid is gone) from what a running one still uses.
-WORKDIR_PREFIX = "triton-serve-"
-SHM_PREFIX = "tcls"
-_OWNED = re.compile(r"^(?:triton-serve-|tcls)(\d+)[-_]")
-_PR_SET_PDEATHSIG = 1
+from common.procs import free_port, port_free
+from server.errors import ServerError
+from server.log import TritonLog
+from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, die_with_parent, remove_stale, stubs_of
+from server.repo import flag_names, gpu_flags, servable_models
+from server.wheel import make_backend_dir, pytriton_root
 
-
-class ServerError(RuntimeError):
-    """tritonserver could not be started or did not become ready; the message says why."""
-
-
-def pytriton_root() -> Path:
-    spec = importlib.util.find_spec("pytriton")
-    if spec is None or not spec.submodule_search_locations:
-        raise ServerError("nvidia-pytriton is not installed: `pip install nvidia-pytriton==0.7.0` (see README)")
-    root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
-    if not (root / "bin" / "tritonserver").is_file():
-        raise ServerError(f"no tritonserver binary at {root / 'bin' / 'tritonserver'}")
-    return root
-
-
-def make_backend_dir(root: Path, into: Path) -> Path:
-    """Assemble <into>/python/ from symlinks: the python backend wants its stub beside it."""
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
-    if not stub.is_file():
-        raise ServerError(f"nvidia-pytriton ships no python backend stub for Python {version}")
-    python = into / "python"
-    python.mkdir(parents=True)
-    for source in (root / "backends/python/libtriton_python.so",
-                   root / "backends/python/triton_python_backend_utils.py", stub):
-        (python / source.name).symlink_to(source)
-    return into
-
-
-def servable_models(repository: Path) -> tuple[list[str], dict[str, str]]:
-    """Models the bundled server can load (python backend, ensembles), and why the others cannot."""
-    from builder.config import read_config
-
-    loadable, skipped = [], {}
-    for config_path in sorted(Path(repository).glob("*/config.pbtxt")):
-        name = config_path.parent.name
-        try:
-            config = read_config(config_path)
-        except Exception:  # let Triton itself report a config it cannot parse
-            loadable.append(name)
-            continue
-        if config.backend == "python" or config.platform == "ensemble":
-            loadable.append(name)
-        else:
-            skipped[name] = (f"{config.platform or config.backend} needs NVIDIA's Triton container "
-                             "(docker/); the nvidia-pytriton server has only the python backend")
-    return loadable, skipped
-
-
-# Added when a repository has a KIND_GPU model, unless the same flag is passed through:
-# - the CUDA memory pool carries GPU tensors between models (the ensemble's IMAGE: a 64-image batch is
-#   38.5 MB as FP32); Triton's default 64 MB holds one such batch, and when it is exhausted
-#   the python backend falls back to slower CUDA IPC allocations per tensor;
-# - the python backend's shared memory starts at 1 MB per stub and grows 1 MB at a time; a batch of 64
-#   images moves ~38 MB through it, so start big enough and grow in large steps.
-GPU_FLAGS = ("--cuda-memory-pool-byte-size=0:536870912",
-             "--backend-config=python,shm-default-byte-size=67108864",
-             "--backend-config=python,shm-growth-byte-size=67108864")
-
-
-def uses_gpu(repository: Path) -> bool:
-    from builder.config import read_config
-
-    for config_path in Path(repository).glob("*/config.pbtxt"):
-        try:  # a config Triton cannot parse is reported by Triton itself
-            groups = read_config(config_path).instance_group
-        except Exception:
-            continue
-        if any(group.kind == group.KIND_GPU for group in groups):
-            return True
-    return False
-
-
-def _flag_names(args: list[str]) -> set[str]:
-    """`--name` of each flag, and `--backend-config=python,key` for backend settings."""
-    names = set()
-    for arg in args:
-        name, _, value = arg.partition("=")
-        names.add(name if name != "--backend-config" else f"{name}={value.split('=')[0]}")
-    return names
-
-
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale(tmp: Path | None = None, shm: Path = Path("/dev/shm")) -> list[str]:
-    """Remove work directories and python-backend shared memory left by serve-repos that were killed."""
-    removed = []
-    for folder, is_dir in ((Path(tmp or tempfile.gettempdir()), True), (shm, False)):
-        try:
-            entries = list(folder.iterdir())
-        except OSError:
-            continue
-        for entry in entries:
-            owner = _OWNED.match(entry.name)
-            if not owner or _pid_alive(int(owner.group(1))):
-                continue
-            try:
-                shutil.rmtree(entry) if is_dir and entry.is_dir() else entry.unlink()
-                removed.append(str(entry))
-            except OSError:
-                pass
-    return removed
-
-
-def _die_with_parent(parent: int) -> None:
-    """In the child before exec: the kernel kills it when the process that started it ends, even by kill -9."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-class Stub:
-    """A python-backend stub process, read from /proc: its model, instance and whether it is still alive."""
-
-    def __init__(self, pid: int, argv: list[str], zombie: bool):
-        self.pid, self.zombie = pid, zombie
-        # triton_python_backend_stub <repo>/<model>/<version>/model.py <shm region> <sizes> <parent pid>
-        #   <backend dir> <ipc size> <instance name> <runtime>   (python_backend r24.10, stub_launcher.cc)
-        self.model = Path(argv[1]).parent.parent.name if len(argv) > 1 else "?"
-        self.instance = argv[8] if len(argv) > 8 else str(pid)
-
-    @property
-    def alive(self) -> bool:
-        return not self.zombie
-
-    @property
-    def serves(self) -> bool:
-        """An instance's stub (`<model>_<group>_<n>`), not the short-lived one a load starts for the model
-        itself (named after the model), which exits once the model is loaded."""
-        return self.instance != self.model and self.instance.startswith(self.model + "_")
-
-
-def stubs_of(pid: int) -> list[Stub]:
-    """The python-backend stubs tritonserver `pid` started (zombies included: they died)."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-            fields = stat[stat.rfind(")") + 2:].split()
-            if int(fields[1]) != pid:
-                continue
-            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if stat[stat.find("(") + 1:].startswith("triton_python"):  # comm, also of a zombie (no cmdline)
-            found.append(Stub(int(entry.name), argv, fields[0] == "Z"))
-    return found
+__all__ = ["ServerError", "TritonServer"]
 
 
 class TritonServer:
@@ -227,8 +42,7 @@ class TritonServer:
         self.drain_seconds = drain_seconds
         self._workdir: Path | None = None  # made by the first start(): backend symlinks and, by default, the log
         self._own_log = log_file is None
-        self.log_file = Path(log_file) if log_file else None
-        self._tail = collections.deque(maxlen=400)
+        self.log = TritonLog(Path(log_file) if log_file else None)
         self._process: subprocess.Popen | None = None
         self._pump_thread: threading.Thread | None = None
         self.returncode: int | None = None
@@ -237,6 +51,15 @@ class TritonServer:
         # In Triton's "none" mode the repository API is closed to clients; we keep a key for ourselves
         # (the supervisor reloads a model whose stub died).
         self.admin_key = secrets.token_hex(16) if model_control == "none" else None
+
+    @classmethod
+    def local(cls, repository, **options) -> "TritonServer":
+        """A server on 127.0.0.1 with free HTTP, gRPC and metrics ports (not started)."""
+        return cls(repository, free_port(), free_port(), free_port(), **options)
+
+    @property
+    def log_file(self) -> Path | None:
+        return self.log.path
 
     @property
     def http_url(self) -> str:
@@ -271,12 +94,9 @@ class TritonServer:
                     f"--grpc-restricted-protocol=model-repository:triton-admin-key={self.admin_key}"]
         self.loaded, self.skipped = servable_models(self.repository)
         cmd += [f"--load-model={name}" for name in self.loaded]
-        ours = _flag_names(self.extra_args)
-        if "--exit-timeout-secs" not in ours:  # how long a stop waits for in-flight requests
+        if "--exit-timeout-secs" not in flag_names(self.extra_args):  # how long a stop waits for in-flight requests
             cmd.append(f"--exit-timeout-secs={max(0, int(round(self.drain_seconds)))}")
-        if uses_gpu(self.repository):
-            cmd += [flag for flag in GPU_FLAGS if flag.split("=")[0] not in ours]
-        return cmd + self.extra_args
+        return cmd + gpu_flags(self.repository, self.extra_args) + self.extra_args
 
     def start(self, timeout: float = 600, abort: threading.Event | None = None) -> "TritonServer":
         """Start tritonserver and wait until it is ready (or `abort` is set: then stop and raise)."""
@@ -289,18 +109,18 @@ class TritonServer:
             remove_stale()
             self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
             if self._own_log:
-                self.log_file = self._workdir / "tritonserver.log"
+                self.log.path = self._workdir / "tritonserver.log"
         env = dict(os.environ)
         # The stub embeds the system libpython, which finds its prefix through the first `python3`
         # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        self._tail.clear()
+        self.log.clear()
         self.returncode = None
         parent = os.getpid()
         self._process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True,
-                                         preexec_fn=lambda: _die_with_parent(parent))
-        self._pump_thread = threading.Thread(target=self._pump, args=(self._process,), daemon=True)
+                                         preexec_fn=lambda: die_with_parent(parent))
+        self._pump_thread = threading.Thread(target=self.log.pump, args=(self._process,), daemon=True)
         self._pump_thread.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -367,27 +187,10 @@ class TritonServer:
         return stubs_of(self._process.pid) if self.running() else []
 
     def reason(self) -> str:
-        """Triton's own words for a failure: a crash's last words, why each model failed to load, or its
-        error lines."""
-        lines = list(self._tail)
-        crash = [line.strip() for line in lines if _CRASH.search(line)]
-        if crash:
-            return " | ".join(dict.fromkeys(crash[-4:]))
-        failed = [m.group(1) + ": " + m.group(2).split("\\n")[0].strip()
-                  for m in map(_LOAD_FAILURE.search, lines) if m]
-        if failed:
-            return "; ".join(dict.fromkeys(failed))
-        errors = [line for line in lines if (line.startswith("E") or "error" in line.lower())
-                  and not any(noise in line for noise in _HARMLESS)]
-        return " | ".join(errors[-4:] or lines[-5:]) or "no output"
+        return self.log.reason()
 
     def last_words(self) -> str:
-        """What a server that died said last: its crash lines, else its last log line."""
-        crash = [line.strip() for line in self._tail if _CRASH.search(line)]
-        if crash:
-            return " | ".join(dict.fromkeys(crash[-4:]))
-        said = [line.strip() for line in self._tail if line.strip()]
-        return "nothing in its log says why (last line: " + (said[-1][:200] if said else "none") + ")"
+        return self.log.last_words()
 
     def stop(self, timeout: float | None = None) -> int | None:
         """Stop: Triton refuses new work and finishes what it holds for up to drain_seconds
@@ -426,14 +229,6 @@ class TritonServer:
                 region.unlink()
             except OSError:
                 pass
-
-    def _pump(self, process: subprocess.Popen) -> None:
-        with open(self.log_file, "a", encoding="utf-8", errors="replace") as log:
-            for raw in process.stdout:
-                line = raw.decode("utf-8", "replace").rstrip()
-                self._tail.append(line)
-                log.write(line + "\n")
-                log.flush()
 
     def __enter__(self) -> "TritonServer":
         return self.start()

@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 from builder import cli as build_repo
-from server.triton import TritonServer, free_port
+from server.triton import TritonServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = "resnet18"   # any model will do: ~10x cheaper than ResNet-152
@@ -56,8 +56,24 @@ def server(repository):
     if external:
         yield SimpleNamespace(http_url=external, grpc_url=os.environ.get("TRITON_GRPC_URL", ""))
         return
-    with TritonServer(repository, free_port(), free_port(), free_port()) as running:
+    with TritonServer.local(repository) as running:
         yield running
+
+
+@pytest.fixture
+def start_server():
+    """start_server(repository, **options): a real tritonserver on free local ports, ready; every server
+    a test starts this way is stopped when the test ends, whatever happens in it."""
+    started = []
+
+    def start(repository, **options) -> TritonServer:
+        server = TritonServer.local(repository, **options)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

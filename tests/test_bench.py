@@ -1,7 +1,7 @@
-"""clients.bench --quick drives a real server and writes JSON, CSV and PNG plots."""
+"""perf.bench --quick drives a real server and writes JSON, CSV and PNG plots."""
 import json
 
-from clients import bench
+from perf import bench
 
 
 def test_bench_quick_writes_json_csv_and_png_when_run(tmp_path, capsys):

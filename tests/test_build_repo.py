@@ -9,7 +9,7 @@ import torchvision
 from tritonclient.grpc import model_config_pb2 as mc
 
 from builder import cli as build_repo
-from builder.config import read_config
+from common.modelconfig import read_config
 from conftest import SMALL, build, reference_model
 
 ROOT = Path(__file__).resolve().parent.parent

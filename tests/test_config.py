@@ -3,6 +3,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from builder import config as cfg
+from common.modelconfig import read_config
 
 
 def _spec(**changes) -> cfg.ModelSpec:
@@ -21,7 +22,7 @@ def _spec(**changes) -> cfg.ModelSpec:
 def test_config_round_trips_through_model_config_when_written_and_parsed(tmp_path):
     written = _spec().to_proto()
     cfg.write_config(written, tmp_path)
-    parsed = cfg.read_config(tmp_path / "config.pbtxt")
+    parsed = read_config(tmp_path / "config.pbtxt")
     assert parsed == written
     assert parsed.backend == "python" and parsed.max_batch_size == 8
     assert parsed.dynamic_batching.max_queue_delay_microseconds == 2000
@@ -66,7 +67,7 @@ def test_queue_policy_round_trips_through_config_pbtxt_when_set(tmp_path):
     queue = cfg.QueuePolicy(max_queue_size=64, timeout_us=250_000, timeout_action="DELAY", allow_timeout_override=True)
     config = _spec(batching=cfg.Batching(8, 0, (), queue)).to_proto()
     path = cfg.write_config(config, tmp_path)
-    policy = cfg.read_config(path).dynamic_batching.default_queue_policy
+    policy = read_config(path).dynamic_batching.default_queue_policy
     assert (policy.max_queue_size, policy.default_timeout_microseconds, policy.allow_timeout_override) == (64, 250_000, True)
     assert policy.timeout_action == mc.ModelQueuePolicy.DELAY
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from server.triton import GPU_FLAGS
+from server.repo import GPU_FLAGS
 from conftest import LARGE, ROOT, SEED, SMALL
 
 DOCKER = ROOT / "docker"

@@ -9,8 +9,7 @@ import tritonclient.http as httpclient
 
 from builder import cli as build_repo
 from builder import export
-from builder.config import read_config
-from server.triton import TritonServer, free_port
+from common.modelconfig import read_config
 from conftest import SMALL, build, reference_logits, relative_error
 
 
@@ -70,7 +69,7 @@ def test_build_repo_fails_and_writes_nothing_when_an_export_differs(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["T"]
 
 
-def test_each_engine_serves_eager_logits_when_selected_by_config_parameter(exported, small_model, tmp_path):
+def test_each_engine_serves_eager_logits_when_selected_by_config_parameter(exported, small_model, tmp_path, start_server):
     repo = tmp_path / "repo"
     repo.mkdir()
     shutil.copytree(exported / SMALL, repo / SMALL)
@@ -78,15 +77,15 @@ def test_each_engine_serves_eager_logits_when_selected_by_config_parameter(expor
     shutil.copyfile(exported / f"{SMALL}_torchscript/1/model.pt", repo / SMALL / "1" / "model.pt")
     images = np.random.default_rng(3).standard_normal((3, 3, 224, 224)).astype(np.float32)
     expected = reference_logits(small_model, images)
-    with TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit") as server:
-        client = httpclient.InferenceServerClient(server.http_url)
-        base = client.get_model_config(SMALL)
-        for engine in ("torch", "torchscript", "onnxruntime"):
-            config = dict(base, parameters={**base["parameters"], "engine": {"string_value": engine}})
-            client.load_model(SMALL, config=json.dumps(config))
-            served_engine = client.get_model_config(SMALL)["parameters"]["engine"]["string_value"]
-            assert served_engine == engine
-            tensor = httpclient.InferInput("IMAGE", list(images.shape), "FP32")
-            tensor.set_data_from_numpy(images)
-            served = client.infer(SMALL, [tensor]).as_numpy("LOGITS")
-            assert relative_error(served, expected) <= 1e-4, f"engine {engine}"
+    server = start_server(repo, model_control="explicit")
+    client = httpclient.InferenceServerClient(server.http_url)
+    base = client.get_model_config(SMALL)
+    for engine in ("torch", "torchscript", "onnxruntime"):
+        config = dict(base, parameters={**base["parameters"], "engine": {"string_value": engine}})
+        client.load_model(SMALL, config=json.dumps(config))
+        served_engine = client.get_model_config(SMALL)["parameters"]["engine"]["string_value"]
+        assert served_engine == engine
+        tensor = httpclient.InferInput("IMAGE", list(images.shape), "FP32")
+        tensor.set_data_from_numpy(images)
+        served = client.infer(SMALL, [tensor]).as_numpy("LOGITS")
+        assert relative_error(served, expected) <= 1e-4, f"engine {engine}"

@@ -12,8 +12,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import model_config_pb2 as mc
 
 from backends.batch_runner import PRECISIONS, BatchRunner
-from builder.config import read_config
-from server.triton import TritonServer, free_port
+from common.modelconfig import read_config
+from server.triton import TritonServer
 from conftest import SMALL, build, reference_logits, reference_model, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -52,7 +52,7 @@ def test_gpu_runner_graph_rows_equal_eager_when_batch_pads_to_a_bucket(precision
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_gpu_server_returns_each_request_its_rows_when_batches_pad(tmp_path, small_model, precision):
+def test_gpu_server_returns_each_request_its_rows_when_batches_pad(tmp_path, small_model, precision, start_server):
     repo = tmp_path / "repo"
     build(repo, "--kind", "gpu", "--max-batch-size", "16", "--precision", precision)  # the later --kind wins
     config = read_config(repo / SMALL)
@@ -60,12 +60,12 @@ def test_gpu_server_returns_each_request_its_rows_when_batches_pad(tmp_path, sma
     assert config.parameters["cuda_graphs"].string_value == "1"
     rng = np.random.default_rng(0)
     requests = [rng.standard_normal((n, 3, 224, 224)).astype(np.float32) for n in (1, 3, 2, 5, 1, 4, 7, 1)]
-    with TritonServer(repo, free_port(), free_port(), free_port()) as server:
-        with ThreadPoolExecutor(len(requests)) as pool:
-            served = list(pool.map(lambda x: _infer(server.grpc_url, SMALL, x), requests))
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        stats = client.get_inference_statistics(SMALL, as_json=True)["model_stats"][0]
-        assert client.is_server_ready()
+    server = start_server(repo)
+    with ThreadPoolExecutor(len(requests)) as pool:
+        served = list(pool.map(lambda x: _infer(server.grpc_url, SMALL, x), requests))
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    stats = client.get_inference_statistics(SMALL, as_json=True)["model_stats"][0]
+    assert client.is_server_ready()
     for images, logits in zip(requests, served):
         assert logits.shape == (images.shape[0], 1000)
         assert relative_error(logits, reference_logits(small_model, images)) <= TOLERANCE[precision]
@@ -77,7 +77,7 @@ def test_gpu_onnxruntime_engine_loads_only_with_a_real_cuda_provider(tmp_path, s
 
     repo = tmp_path / "repo"
     build(repo, "--kind", "gpu", "--engine", "onnxruntime", "--max-batch-size", "8")
-    server = TritonServer(repo, free_port(), free_port(), free_port())
+    server = TritonServer.local(repo)
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         # The CPU wheel must not quietly serve a GPU config from a CPU session.
         with pytest.raises(Exception, match="CUDA execution provider"):
@@ -96,10 +96,10 @@ def test_gpu_onnxruntime_engine_loads_only_with_a_real_cuda_provider(tmp_path, s
     # died on the first request ("Stub process ... is not healthy"); cause not established.
     pytest.param("gpu", marks=pytest.mark.xfail(reason="preprocess stub died on GPU instances in our H100 run")),
 ])
-def test_gpu_image_ensemble_isolates_bad_bytes_when_served(tmp_path, small_model, decode):
+def test_gpu_image_ensemble_isolates_bad_bytes_when_served(tmp_path, small_model, decode, start_server):
     import torchvision
 
-    from backends.preprocess import decode as pil_decode
+    from backends.decoding import decode as pil_decode
     from images import CAT, bad_images, good_images
 
     repo = tmp_path / "repo"
@@ -114,13 +114,13 @@ def test_gpu_image_ensemble_isolates_bad_bytes_when_served(tmp_path, small_model
         tensor.set_data_from_numpy(np.array([[data]], dtype=object))
         return client.infer(f"{SMALL}_image", [tensor]).as_numpy("LOGITS")[0]
 
-    with TritonServer(repo, free_port(), free_port(), free_port()) as server:
-        with ThreadPoolExecutor(3) as pool:
-            futures = {name: pool.submit(send, server.grpc_url, data) for name, data in blobs.items()}
-            with pytest.raises(Exception, match="truncated or corrupt"):
-                futures["truncated"].result()
-            served = {name: futures[name].result() for name in ("jpeg", "webp")}
-        assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()
+    server = start_server(repo)
+    with ThreadPoolExecutor(3) as pool:
+        futures = {name: pool.submit(send, server.grpc_url, data) for name, data in blobs.items()}
+        with pytest.raises(Exception, match="truncated or corrupt"):
+            futures["truncated"].result()
+        served = {name: futures[name].result() for name in ("jpeg", "webp")}
+    assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()
     weights_transform = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
     for name in ("jpeg", "webp"):  # with decode gpu: webp takes the PIL path, jpeg nvJPEG
         expected = reference_logits(small_model, weights_transform(pil_decode(blobs[name])).unsqueeze(0).numpy())[0]

@@ -3,10 +3,12 @@ import pytest
 import torch
 from tritonclient.grpc import model_config_pb2 as mc
 
-from backends.batch_runner import BatchRunner, _rows, buckets_for, parse_buckets
+from backends.batch_runner import BatchRunner, _rows
+from common.contract import buckets_for, parse_buckets
 from builder import cli as build_repo
-from builder.config import read_config
-from server.triton import GPU_FLAGS, TritonServer, uses_gpu
+from common.modelconfig import read_config
+from server.repo import GPU_FLAGS, uses_gpu
+from server.triton import TritonServer
 from conftest import SMALL, build
 
 

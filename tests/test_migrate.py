@@ -16,14 +16,14 @@ import torch
 import torchvision
 
 from builder import cli as build_repo
-from builder.config import read_config
+from common.modelconfig import read_config
 from builder.custom import load_labels, match_torchvision
 from clients import classify
-from clients.migrate_example import (EFFICIENTNET_MODEL, efficientnet_module, efficientnet_state, make_archive,
+from examples.migrate_torchserve import (EFFICIENTNET_MODEL, efficientnet_module, efficientnet_state, make_archive,
                                      torchserve_labels, torchserve_top5)
 from conftest import SEED, reference_model
 from images import CAT
-from server.triton import TritonServer, free_port
+from server.triton import TritonServer
 
 IMAGENET = torchvision.models.ResNet18_Weights.DEFAULT.meta["categories"]
 CAT_CLASSES = {"Egyptian_cat", "tabby", "tiger_cat"}
@@ -112,7 +112,7 @@ def migrated(made, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(migrated):
-    with TritonServer(migrated, free_port(), free_port(), free_port()) as server:
+    with TritonServer.local(migrated) as server:
         yield server
 
 

@@ -10,7 +10,7 @@ PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 
 
 def test_perf_analyzer_reports_throughput_when_run_against_the_classifier(server):
-    assert PERF_ANALYZER.is_file(), "setup installs it: clients/install_perf_analyzer.sh"
+    assert PERF_ANALYZER.is_file(), "setup installs it: tools/install_perf_analyzer.sh"
     result = subprocess.run(
         [str(PERF_ANALYZER), "-m", SMALL, "-u", server.http_url, "-i", "http", "-b", "1",
          "--shape", "IMAGE:3,224,224", "--concurrency-range", "2", "--measurement-mode", "count_windows",

@@ -7,7 +7,8 @@ import torch
 import torchvision
 from PIL import Image
 
-from backends.preprocess import ImageError, Preprocessor, decode
+from backends.decoding import ImageError, decode
+from backends.preprocess import Preprocessor
 from conftest import reference_model
 from images import CAT, bad_images, encode, good_images
 
@@ -17,7 +18,7 @@ CPU = torch.device("cpu")
 # the JPEGs below with torchvision's CPU decoder: max 0.0175, mean 0.0015-0.0032 (both paths round the
 # resized image to uint8 and differ by one level where their resizers round differently). nvJPEG's
 # IDCT is not bit-exact with libjpeg-turbo: on the H100, nvJPEG vs PIL measured max 0.157, mean
-# 0.0016-0.0069 on the same JPEGs (bench/results/gpu-preprocess-parity.json), top-1 unchanged.
+# 0.0016-0.0069 on the same JPEGs (perf/results/gpu-preprocess-parity.json), top-1 unchanged.
 MAX_ABS_DIFF, MEAN_ABS_DIFF = 0.02, 0.005
 GPU_MAX_ABS_DIFF, GPU_MEAN_ABS_DIFF = 0.25, 0.02
 

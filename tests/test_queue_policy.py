@@ -4,34 +4,33 @@ import threading
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from builder.config import read_config
-from server.triton import TritonServer, free_port
+from common.modelconfig import read_config
 from conftest import SMALL, build
 
 
-def test_bounded_queue_rejects_overflow_and_answers_the_rest_when_requests_burst(tmp_path):
+def test_bounded_queue_rejects_overflow_and_answers_the_rest_when_requests_burst(tmp_path, start_server):
     repo = tmp_path / "repo"
     build(repo, "--max-batch-size", "1", "--max-queue-size", "1", "--queue-timeout-ms", "60000")
     policy = read_config(repo / SMALL).dynamic_batching.default_queue_policy
     assert (policy.max_queue_size, policy.default_timeout_microseconds) == (1, 60_000_000)
     images = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
     outcomes, gate = [], threading.Barrier(12)
-    with TritonServer(repo, free_port(), free_port(), free_port()) as server:
-        def send():
-            client = grpcclient.InferenceServerClient(server.grpc_url)
-            tensor = grpcclient.InferInput("IMAGE", list(images.shape), "FP32")
-            tensor.set_data_from_numpy(images)
-            gate.wait()
-            try:
-                outcomes.append(client.infer(SMALL, [tensor]).as_numpy("LOGITS").shape)
-            except Exception as exc:  # noqa: BLE001 - the outcome is what we check
-                outcomes.append(str(exc))
-        threads = [threading.Thread(target=send) for _ in range(12)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()
+    server = start_server(repo)
+    def send():
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        tensor = grpcclient.InferInput("IMAGE", list(images.shape), "FP32")
+        tensor.set_data_from_numpy(images)
+        gate.wait()
+        try:
+            outcomes.append(client.infer(SMALL, [tensor]).as_numpy("LOGITS").shape)
+        except Exception as exc:  # noqa: BLE001 - the outcome is what we check
+            outcomes.append(str(exc))
+    threads = [threading.Thread(target=send) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert grpcclient.InferenceServerClient(server.grpc_url).is_server_ready()
     answered = [o for o in outcomes if o == (1, 1000)]
     rejected = [o for o in outcomes if isinstance(o, str)]
     assert len(outcomes) == 12 and len(answered) + len(rejected) == 12  # one answer each, nothing lost
@@ -52,7 +51,7 @@ def test_unbounded_queue_when_asked_for_with_zeros(tmp_path):
 
 
 def test_live_batching_override_keeps_the_queue_bounds():
-    from clients.loadgen import batching_override
+    from perf.loadgen import batching_override
 
     policy = {"max_queue_size": 128, "default_timeout_microseconds": 10_000_000}
     base = {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": 0,

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from server import cli, triton as serve
-from server.triton import ServerError, TritonServer, free_port
+from common.procs import free_port
+from server import cli, wheel
+from server.triton import ServerError, TritonServer
 from conftest import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +63,7 @@ def test_serve_repo_shows_tritons_reason_when_a_model_fails_to_load(repository, 
     repo.mkdir()
     shutil.copytree(repository / SMALL, repo / SMALL)
     (repo / SMALL / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
-    server = TritonServer(repo, free_port(), free_port(), free_port())
+    server = TritonServer.local(repo)
     try:
         with pytest.raises(ServerError) as failure:
             server.start(timeout=300)
@@ -74,14 +75,14 @@ def test_serve_repo_shows_tritons_reason_when_a_model_fails_to_load(repository, 
 
 
 def test_serve_repo_says_what_is_missing_when_pytriton_is_not_installed(monkeypatch):
-    monkeypatch.setattr(serve.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(wheel.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ServerError, match="nvidia-pytriton is not installed"):
-        serve.pytriton_root()
+        wheel.pytriton_root()
 
 
 def test_serve_repo_refuses_when_repository_is_missing(tmp_path):
     with pytest.raises(ServerError, match="does not exist"):
-        TritonServer(tmp_path / "nowhere", free_port(), free_port(), free_port()).start()
+        TritonServer.local(tmp_path / "nowhere").start()
 
 
 def test_serve_repo_refuses_a_negative_drain_in_one_line(capsys):

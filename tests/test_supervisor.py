@@ -1,7 +1,7 @@
 """serve-repo survives its bad day: a dead stub's model is reloaded, a dead tritonserver restarted,
 the request that aborts Triton 2.51 costs one restart, SIGTERM drains, kill -9 leaves nothing.
 
-The drills are clients.faults' (which repeats them and keeps the figures in bench/results/); here each
+The drills are drills.faults' (which repeats them and keeps the figures in perf/results/); here each
 runs once and its outcome is checked. Time limits are far above what was measured (~9 s to recover on
 2 cores): they only catch "never"."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from clients import faults
+from drills import faults
 from conftest import SMALL, reference_logits
-from server.triton import remove_stale
+from server.procfs import remove_stale
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_stale_cleanup_spares_what_live_processes_own(tmp_path):
 
 
 def test_supervisor_leaves_deliberate_unloads_and_reloads_alone(small_repo):
-    """In explicit mode a user (or clients.tune) unloads and reloads models; those stubs end on purpose."""
+    """In explicit mode a user (or perf.tune) unloads and reloads models; those stubs end on purpose."""
     import json
     import time
 
@@ -130,3 +130,54 @@ def test_supervisor_leaves_deliberate_unloads_and_reloads_alone(small_repo):
         assert serve.http.get_model_config(SMALL)["dynamic_batching"]["max_queue_delay_microseconds"] == 1234
     finally:
         serve.stop()
+
+
+# A python model whose unload never finishes by itself: its finalize() outlasts any test.
+_SLOW_UNLOAD = '''
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.zeros(1, np.float32))]) for _ in requests]
+
+    def finalize(self):
+        time.sleep(300)
+'''
+_SLOW_CONFIG = '''name: "slow"
+backend: "python"
+input { name: "IN" data_type: TYPE_FP32 dims: [1] }
+output { name: "OUT" data_type: TYPE_FP32 dims: [1] }
+instance_group { kind: KIND_CPU count: 1 }
+'''
+
+
+def test_supervisor_reload_gives_up_at_once_when_stopped_while_the_unload_hangs(tmp_path, start_server):
+    """A stop while the supervisor waits for an unload to finish ends the wait (and loads nothing)."""
+    import threading
+    import time
+
+    from server.supervisor import Supervisor
+
+    (tmp_path / "repo" / "slow" / "1").mkdir(parents=True)
+    (tmp_path / "repo" / "slow" / "1" / "model.py").write_text(_SLOW_UNLOAD)
+    (tmp_path / "repo" / "slow" / "config.pbtxt").write_text(_SLOW_CONFIG)
+    server = start_server(tmp_path / "repo", drain_seconds=1)
+    lines, stop = [], threading.Event()
+    supervisor = Supervisor(server, log=lines.append)
+    supervisor._stop = stop
+    reload = threading.Thread(target=supervisor.reload, args=("slow", "a test"))
+    reload.start()
+    deadline = time.monotonic() + 60
+    while supervisor._state("slow") != "UNLOADING" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert supervisor._state("slow") == "UNLOADING"  # finalize() holds the unload
+    stopped = time.monotonic()
+    stop.set()
+    reload.join(60)
+    assert not reload.is_alive()
+    assert lines[-1] == "serve-repo: slow: reload failed: stopped while unloading", lines
+    assert supervisor.reloads == 0 and supervisor._state("slow") == "UNLOADING"  # no load was sent
+    print(f"reload returned {time.monotonic() - stopped:.2f}s after the stop")

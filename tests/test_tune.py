@@ -1,12 +1,12 @@
-"""clients.tune reloads candidates live on an explicit-mode server and writes a config that loads."""
+"""perf.tune reloads candidates live on an explicit-mode server and writes a config that loads."""
 import shutil
 
 import pytest
 import tritonclient.http as httpclient
 
-from builder.config import read_config
-from server.triton import TritonServer, free_port
-from clients import tune
+from common.modelconfig import read_config
+from server.triton import TritonServer
+from perf import tune
 from conftest import SMALL
 
 
@@ -15,7 +15,7 @@ def explicit_server(repository, tmp_path_factory):
     repo = tmp_path_factory.mktemp("tune") / "repo"
     repo.mkdir()
     shutil.copytree(repository / SMALL, repo / SMALL)
-    with TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit") as server:
+    with TritonServer.local(repo, model_control="explicit") as server:
         yield server
 
 

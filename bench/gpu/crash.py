@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 from builder import cli
-from server.triton import TritonServer, free_port
-from clients.gpu_bench import reload
+from server.triton import TritonServer
+from perf.gpu_bench import reload
 
 repo = Path(tempfile.mkdtemp()) / "repo"
 assert cli.main(["--model", "resnet18", "--weights", "random", "--output", str(repo), "--kind", "gpu",
                  "--max-batch-size", "8", "--instances", "1", "--decode-device", "gpu"]) == 0
-server = TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit").start(200)
+server = TritonServer.local(repo, model_control="explicit").start(200)
 jpg = open("clients/samples/chelsea.jpg", "rb").read()
 
 def send():

@@ -4,8 +4,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 from builder import cli
-from server.triton import TritonServer, free_port
-from clients.gpu_bench import run_load, _stats
+from server.triton import TritonServer
+from perf.gpu_bench import run_load, _stats
 
 ECHO = '''
 import numpy as np, triton_python_backend_utils as pb_utils
@@ -31,7 +31,7 @@ def main(kind='gpu', extra=()):
     dynamic_batching {{ }}
     instance_group {{ kind: KIND_{group} count: 1 }}
     ''')
-    server = TritonServer(repo, free_port(), free_port(), free_port())
+    server = TritonServer.local(repo)
     server.start(300)
     try:
         for model in [m for m in ("echo_cpu", "echo_gpu", "resnet18") if (repo / m).exists()]:

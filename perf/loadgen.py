@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import tritonclient.http as httpclient
 
-INPUT, OUTPUT = "IMAGE", "LOGITS"
+from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
 
 
 @dataclass

@@ -3,7 +3,7 @@ capacity. Capacity is measured first (closed loop); then requests arrive open-lo
 not wait for each other, as real users do not) and each outcome is timed: accepted requests' latency, and
 how fast a rejected request learns it was rejected.
 
-    python -m clients.overload --queue-timeout-ms 1000 --max-queue-size 32 --out bench/results/overload-resnet18.json
+    python -m perf.overload --queue-timeout-ms 1000 --max-queue-size 32 --out perf/results/overload-resnet18.json
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.cliutil import OneLineParser
+from common.cli import OneLineParser
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -79,7 +79,7 @@ def open_loop(grpc_url: str, model: str, image: np.ndarray, rate: float, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m clients.overload", description=__doc__,
+    p = OneLineParser(prog="python -m perf.overload", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18", help="Default: resnet18 (random weights).")
     p.add_argument("--max-batch-size", type=int, default=8, help="Default: 8.")
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from builder import cli as build_repo
-    from clients.loadgen import run_load
-    from server.triton import TritonServer, free_port
+    from perf.loadgen import run_load
+    from server.triton import TritonServer
 
     image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--queue-timeout-ms", f"{args.queue_timeout_ms:g}"]
         if build_repo.main(flags):
             raise SystemExit("build-repo failed")
-        with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+        with TritonServer.local(repo) as server:
             # Capacity: as many clients as the batch holds, back to back (closed loop).
             capacity = run_load(server.http_url, args.model, args.max_batch_size, args.seconds, image,
                                 label="capacity").throughput

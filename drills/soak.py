@@ -1,7 +1,7 @@
-"""Soak: mixed traffic (clients.mixed) for a fixed time while recording the memory of tritonserver and of
+"""Soak: mixed traffic (drills.mixed) for a fixed time while recording the memory of tritonserver and of
 each stub (RSS) and the python backend's shared memory in /dev/shm; writes JSON and a plot.
 
-    python -m clients.soak --minutes 10 --concurrency 8 --out bench/results/soak
+    python -m drills.soak --minutes 10 --concurrency 8 --out perf/results/soak
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import threading
 import time
 from pathlib import Path
 
-from builder.cliutil import OneLineParser
-from clients.loadtest import SEED, build_small_repo, served_transform
-from clients.mixed import Sender, Tally, build_cases, process_memory, reference_for, schedule
+from common.cli import OneLineParser
+from drills.loadtest import SEED, build_small_repo, served_transform
+from drills.mixed import Sender, Tally, build_cases, process_memory, reference_for, schedule
 
 MB = 1 << 20
 
@@ -81,23 +81,23 @@ def plot(samples: list[dict], models: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m clients.soak", description=__doc__,
+    p = OneLineParser(prog="python -m drills.soak", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18", help="Default: resnet18.")
     p.add_argument("--minutes", type=float, default=10, help="Default: 10.")
     p.add_argument("--concurrency", type=int, default=8, help="Default: 8.")
     p.add_argument("--every", type=float, default=5, help="seconds between memory samples. Default: 5.")
     p.add_argument("--warmup", type=float, default=60, help="seconds left out of the growth figure. Default: 60.")
-    p.add_argument("--out", type=Path, default=Path("bench/results/soak"),
-                   help="writes OUT.json and OUT.png. Default: bench/results/soak.")
+    p.add_argument("--out", type=Path, default=Path("perf/results/soak"),
+                   help="writes OUT.json and OUT.png. Default: perf/results/soak.")
     args = p.parse_args(argv)
 
-    from server.triton import TritonServer, free_port
+    from server.triton import TritonServer
 
     models = [args.model, f"{args.model}_preprocess"]
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         repo = build_small_repo(args.model, Path(tmp))
-        with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+        with TritonServer.local(repo) as server:
             cases = build_cases(args.model, reference_for(args.model, SEED),
                                 served_transform(server.http_url, args.model))
             tally, stop = Tally(), threading.Event()

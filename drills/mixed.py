@@ -1,7 +1,7 @@
 """Mixed traffic for load and soak runs: good and bad requests to both models (NAME: tensors, NAME_image:
 image bytes) over HTTP and gRPC, each good answer checked against the same model run in-process.
 
-Used by clients.loadtest (a fixed number of requests) and clients.soak (a fixed time)."""
+Used by drills.loadtest (a fixed number of requests) and drills.soak (a fixed time)."""
 from __future__ import annotations
 
 import io

@@ -1,7 +1,7 @@
 """Mixed load: N requests (good and bad, both models, HTTP and gRPC) from C concurrent clients; every
 request must get exactly one answer, good ones equal to in-process, bad ones a clear refusal.
 
-    python -m clients.loadtest --requests 5000 --concurrency 40 --out bench/results/load-mixed.json
+    python -m drills.loadtest --requests 5000 --concurrency 40 --out perf/results/load-mixed.json
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from builder.cliutil import OneLineParser
-from clients.mixed import Sender, Tally, build_cases, reference_for, schedule
+from common.cli import OneLineParser
+from drills.mixed import Sender, Tally, build_cases, reference_for, schedule
 
 SEED = 0
 
@@ -79,7 +79,7 @@ def drive(sequence, http_url: str, grpc_url: str, concurrency: int, tally: Tally
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m clients.loadtest", description=__doc__,
+    p = OneLineParser(prog="python -m drills.loadtest", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18", help="torchvision model, random weights (seed 0). Default: resnet18.")
     p.add_argument("--requests", type=int, default=5000, help="Default: 5000.")
@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON summary to write.")
     args = p.parse_args(argv)
 
-    from server.triton import TritonServer, free_port
+    from server.triton import TritonServer
 
     with tempfile.TemporaryDirectory(prefix="loadtest-") as tmp:
         repo = build_small_repo(args.model, Path(tmp))
-        with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+        with TritonServer.local(repo) as server:
             cases = build_cases(args.model, reference_for(args.model, SEED),
                                 served_transform(server.http_url, args.model))
             sequence = schedule(cases, args.requests, args.good_share)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.http as httpclient
 
-from builder.cliutil import OneLineParser
-from clients import loadgen
+from common.cli import OneLineParser
+from perf import loadgen
 from clients.classify import model_config
 
 # (label, max_batch_size, max_queue_delay_us); "default" is what build-repo ships.
@@ -23,7 +23,7 @@ QUICK_CONFIGS = [("unbatched", 0, 0), ("default b8 d0", 8, 0)]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m clients.bench", description=__doc__)
+    p = OneLineParser(prog="python -m perf.bench", description=__doc__)
     p.add_argument("--url", help="a running server in explicit model-control mode. "
                                  "Default: build a repository and start serve-repo.")
     p.add_argument("--model", default=None, help="model to bench. Default: resnet152 (resnet18 with --quick).")
@@ -38,8 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=None, help="measurement per point. Default: 20 (4 quick).")
     p.add_argument("--configs", nargs="+", default=None,
                    help="configs as LABEL=MAXBATCH:DELAY_US, e.g. 'b8 d2ms=8:2000'. Default: a built-in set.")
-    p.add_argument("--output", type=Path, default=Path("bench/results/latest"),
-                   help="directory (or path prefix) for JSON, CSV and PNGs. Default: bench/results/latest.")
+    p.add_argument("--output", type=Path, default=Path("perf/results/latest"),
+                   help="directory (or path prefix) for JSON, CSV and PNGs. Default: perf/results/latest.")
     p.add_argument("--name", default=None, help="file stem. Default: cpu-MODEL or gpu-MODEL.")
     p.add_argument("--quick", action="store_true", help="resnet18, 2 configs, 3 concurrencies: < 2 min.")
     return p
@@ -62,13 +62,13 @@ class InProcess:
     def __init__(self, model_dir: Path, engine: str):
         import torch
 
-        from backends.classifier import _load_engine
-        from builder.config import read_config
+        from backends.engines import load_engine
+        from common.modelconfig import read_config
 
         config = read_config(model_dir)
         params = {k: v.string_value for k, v in config.parameters.items()}
         self.memory_format = torch.contiguous_format if engine == "onnxruntime" else torch.channels_last
-        self.run = _load_engine(model_dir / "1", {**params, "engine": engine}, torch.device("cpu"),
+        self.run = load_engine(model_dir / "1", {**params, "engine": engine}, torch.device("cpu"),
                                 self.memory_format, 0)
         self.side = int(config.input[0].dims[-1])
         self.rates: dict[int, list[float]] = {}
@@ -93,12 +93,12 @@ def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:
     """Put every engine's artifact in the bench repository so one server can switch engines live."""
     import torch
 
-    from backends.classifier import _load_engine
+    from backends.engines import load_engine
     from builder import export
-    from builder.config import read_config
+    from common.modelconfig import read_config
 
     params = {k: v.string_value for k, v in read_config(model_dir).parameters.items()}
-    module = _load_engine(model_dir / "1", {**params, "engine": "torch"}, torch.device("cpu"),
+    module = load_engine(model_dir / "1", {**params, "engine": "torch"}, torch.device("cpu"),
                           torch.contiguous_format, 0)
     side = int(read_config(model_dir).input[0].dims[-1])
     if "onnxruntime" in engines and not (model_dir / "1" / "model.onnx").exists():
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from builder import cli as build_repo
-    from server.triton import ServerError, TritonServer, free_port
+    from server.triton import ServerError, TritonServer
 
     args = parser().parse_args(argv)
     model = args.model or ("resnet18" if args.quick else "resnet152")
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             build = ["--model", model, "--weights", args.weights, "--output", str(repo), "--force"]
             if build_repo.main(build + (["--engine", args.engines[0]] if args.engines else [])):
                 return 1
-            server = TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit")
+            server = TritonServer.local(repo, model_control="explicit")
         model_dir = repo / model
         engines = args.engines or [_served_engine(model_dir)]
         if server is not None:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     result = {"model": model, "engines": engines, "seconds_per_point": seconds,
               "configs": [list(c) for c in configs], "machine": machine(),
-              "command": " ".join(["python -m clients.bench", *(argv if argv is not None else sys.argv[1:])]),
+              "command": " ".join(["python -m perf.bench", *(argv if argv is not None else sys.argv[1:])]),
               **summarize(points, configs, engines),
               "inprocess_images_per_s": {e: {str(b): float(np.mean(r)) for b, r in sorted(ip.rates.items())}
                                          for e, ip in inprocess.items()},
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _served_engine(model_dir: Path) -> str:
-    from builder.config import read_config
+    from common.modelconfig import read_config
 
     parameters = read_config(model_dir).parameters
     return parameters["engine"].string_value if "engine" in parameters else "torch"

@@ -2,7 +2,7 @@
 # Install Triton's perf_analyzer into a virtualenv, without apt and without touching site-packages:
 # the binary ships only in tritonclient 2.41.0's manylinux1 wheel (newer wheels are pure Python);
 # its libb64 and libcudart come from the nvidia-pytriton wheel's bundled libraries, via symlinks.
-# Usage: clients/install_perf_analyzer.sh [VENV]   (default .venv) → VENV/bin/perf_analyzer
+# Usage: tools/install_perf_analyzer.sh [VENV]   (default .venv) → VENV/bin/perf_analyzer
 set -euo pipefail
 venv=$(realpath "${1:-.venv}")
 python="$venv/bin/python"

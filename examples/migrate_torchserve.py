@@ -3,7 +3,7 @@
 --from-mar` it, serve it, classify the sample cat through the image path, and compare with the same
 model run in-process the way TorchServe's image_classifier handler runs it.
 
-    python -m clients.migrate_example --out bench/results/migrate-efficientnet-lite0.txt
+    python -m examples.migrate_torchserve --out perf/results/migrate-efficientnet-lite0.txt
 """
 from __future__ import annotations
 
@@ -91,13 +91,13 @@ def torchserve_top5(model: torch.nn.Module, labels: list[str], image: Path = SAM
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clients.migrate_example", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m examples.migrate_torchserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, help="also write the report here. Default: stdout only.")
     args = p.parse_args(argv)
     from builder import cli as build_repo
     from clients import classify
-    from server.triton import TritonServer, free_port
+    from server.triton import TritonServer
 
     names = [name.replace(" ", "_") for name in imagenet_names()]
     with tempfile.TemporaryDirectory(prefix="migrate-") as tmp:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         command = ["--from-mar", str(archive), "--trust-model-code", "--output", str(repo), "--kind", "cpu"]
         if build_repo.main(command) != 0:
             return 1
-        with TritonServer(repo, free_port(), free_port(), free_port()) as server:
+        with TritonServer.local(repo) as server:
             served = classify.classify_raw([SAMPLE], server.http_url, "http", "effnet-lite0", 5)[0]
     expected = torchserve_top5(efficientnet_module(), names)
     worst = max(abs(p - q) for (_, p), (_, q) in zip(served, expected))

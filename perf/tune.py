@@ -10,14 +10,15 @@ import tritonclient.http as httpclient
 from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from builder.cliutil import OneLineParser
+from common.cli import OneLineParser
 from builder import config as cfg
-from clients import loadgen
+from common.modelconfig import to_text
+from perf import loadgen
 from clients.classify import model_config
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m clients.tune", description=__doc__)
+    p = OneLineParser(prog="python -m perf.tune", description=__doc__)
     p.add_argument("--url", default="127.0.0.1:8000", help="server HTTP address. Default: 127.0.0.1:8000.")
     p.add_argument("--model", default="resnet152", help="model to tune. Default: resnet152.")
     load = p.add_mutually_exclusive_group()
@@ -75,7 +76,7 @@ def table(points, best_key) -> str:
 
 def write(config: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(cfg.to_text(to_model_config(config)))
+    path.write_text(to_text(to_model_config(config)))
     return path
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.cliutil import OneLineParser
+from common.cli import OneLineParser
 
-INPUT, OUTPUT = "IMAGE", "LOGITS"
+from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
 
 
 def parser():
-    p = OneLineParser(prog="python -m clients.gpu_bench", description=__doc__)
+    p = OneLineParser(prog="python -m perf.gpu_bench", description=__doc__)
     p.add_argument("--model", default="resnet152", help="torchvision model. Default: resnet152.")
     p.add_argument("--plan", nargs="+", default=["fp16:1", "fp32:1", "jpeg", "unbatched", "bf16:1", "fp16:0", "fp32:0"],
                    help="what to measure, in order: PRECISION:GRAPHS (tensor path, 1 = CUDA graphs), "
@@ -37,8 +37,8 @@ def parser():
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                    help="cpu: a smoke run of this script without a GPU (plan items fp32:0 only). Default: gpu.")
-    p.add_argument("--output", type=Path, default=Path("bench/results/gpu-resnet152.json"),
-                   help="JSON written (and rewritten after every point). Default: bench/results/gpu-resnet152.json.")
+    p.add_argument("--output", type=Path, default=Path("perf/results/gpu-resnet152.json"),
+                   help="JSON written (and rewritten after every point). Default: perf/results/gpu-resnet152.json.")
     return p
 
 
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     import tritonclient.grpc as grpcclient
 
     from builder import cli as build_repo
-    from server.triton import TritonServer, free_port
+    from server.triton import TritonServer
 
     args = parser().parse_args(argv)
     repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     if build_repo.main(["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", args.kind,
                         "--precision", first[0], "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
         return 1
-    result = {"command": " ".join(["python -m clients.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
+    result = {"command": " ".join(["python -m perf.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name(0) if args.kind == "gpu" else "cpu", "torch": torch.__version__, "model": args.model,
               "client": f"{args.processes} processes, gRPC, {args.images_per_request} image(s) per tensor request, "
                         "tensors via system shared memory",
@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=2) + "\n")
 
-    server = TritonServer(repo, free_port(), free_port(), free_port(), model_control="explicit")
+    server = TritonServer.local(repo, model_control="explicit")
     server.start()
     try:
         client = grpcclient.InferenceServerClient(server.grpc_url)

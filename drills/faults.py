@@ -1,7 +1,7 @@
 """Fault drills against a supervised serve-repo, each returning what it measured: a stub killed, tritonserver
 killed, the JSON request that aborts Triton 2.51, SIGTERM under load, kill -9 of serve-repo.
 
-    python -m clients.faults --rounds 3 --out bench/results/faults-resnet18.json
+    python -m drills.faults --rounds 3 --out drills/results/faults-resnet18.json
 
 tests/test_supervisor.py runs each drill once and checks its outcome; this script repeats them and keeps
 the figures."""
@@ -23,8 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.cliutil import OneLineParser
-from server.triton import free_port, remove_stale, stubs_of
+from common.cli import OneLineParser
+from common.procs import free_port
+from server.procfs import remove_stale, stubs_of
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY_LIMIT = 180.0  # seconds: only catches "never"; measured recovery is ~9 s on 2 cores
@@ -247,15 +248,15 @@ def _summary(values: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m clients.faults", description=__doc__,
+    p = OneLineParser(prog="python -m drills.faults", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="resnet18", help="Default: resnet18 (random weights, seed 0).")
     p.add_argument("--rounds", type=int, default=3, help="times each drill runs. Default: 3.")
     p.add_argument("--out", type=Path, help="JSON to write.")
     args = p.parse_args(argv)
 
-    from clients.loadtest import SEED, build_small_repo
-    from clients.mixed import reference_for
+    from drills.loadtest import SEED, build_small_repo
+    from drills.mixed import reference_for
 
     reference = reference_for(args.model, SEED)
     results: dict = {"model": args.model, "rounds": args.rounds, "cpu_count": os.cpu_count()}

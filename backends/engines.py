@@ -1,0 +1,88 @@
+"""The engines a classifier's stub can run, each a callable batch -> logits: torch, torchscript, onnxruntime.
+
+build-repo copies this file beside the classifier's model.py; perf.bench imports it to time the very
+same engine in-process.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchvision
+
+try:  # in Triton: the version folder, which holds copies of these, is on sys.path
+    from contract import IMAGE, LOGITS
+    from model_code import import_model_class
+except ImportError:
+    from common.contract import IMAGE, LOGITS
+    from common.model_code import import_model_class
+
+ENGINE_FILES = {"torch": "weights.pt", "torchscript": "model.pt", "onnxruntime": "model.onnx"}
+
+
+def load_engine(version_dir: Path, params: dict, device: torch.device, memory_format, threads: int):
+    """A callable batch -> logits for the configured engine: torch, torchscript or onnxruntime."""
+    engine = params.get("engine", "torch")
+    files = {"torch": params.get("weights_file", "weights.pt"), "torchscript": "model.pt",
+             "onnxruntime": "model.onnx"}
+    if engine not in files:
+        raise RuntimeError(f"unknown engine {engine!r}: choose torch, torchscript or onnxruntime")
+    path = version_dir / files[engine]
+    try:
+        if engine == "torchscript":
+            return torch.jit.load(str(path), map_location=device).eval()
+        if engine == "onnxruntime":
+            return _OnnxRuntime(path, device, threads, params.get("ort_allow_spinning", "0"))
+        if params.get("model_file"):  # the user's own model code, copied into the version folder
+            model = import_model_class(version_dir / params["model_file"], params.get("model_class") or None)()
+        else:
+            model = torchvision.models.get_model(params["torchvision_model"], weights=None,
+                                                 num_classes=int(params.get("num_classes", 1000)))
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model.to(device, memory_format=memory_format).eval()
+    except Exception as exc:  # say which engine and file, not just the loader's KeyError
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise RuntimeError(f"cannot load the {engine} engine from {path}: {type(exc).__name__}: {first}") from exc
+
+
+class _OnnxRuntime:
+    """onnxruntime behind the same call as a torch module; on GPU it reads and writes torch memory."""
+
+    def __init__(self, path: Path, device: torch.device, threads: int, spinning: str = "0"):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        # Idle ORT workers spin by default; on a small CPU they then steal the cores that Triton's
+        # HTTP threads and the next forward need (measured here: resnet18 in-process 31 -> 56 img/s,
+        # served p99 at c=1 80 -> 41 ms without spinning).
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+        if device.type == "cuda":
+            providers = [("CUDAExecutionProvider", {"device_id": device.index or 0})]
+        else:
+            providers = ["CPUExecutionProvider"]
+        if device.type == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise RuntimeError("this onnxruntime has no CUDA execution provider (the CPU wheel?): install "
+                               "onnxruntime-gpu matching torch's CUDA major, or use engine torch on GPU")
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        if device.type == "cuda" and self.session.get_providers()[0] != "CUDAExecutionProvider":
+            # ORT falls back to a CPU session silently when the CUDA provider cannot start.
+            raise RuntimeError(f"onnxruntime could not start its CUDA provider (session runs on "
+                               f"{self.session.get_providers()}): check onnxruntime-gpu against CUDA/cuDNN")
+        self.device = device
+        self.classes = self.session.get_outputs()[0].shape[-1]
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        batch = batch.contiguous()
+        if self.device.type != "cuda":
+            return torch.from_numpy(self.session.run([LOGITS], {IMAGE: batch.numpy()})[0])
+        # IO binding over raw device pointers: the batch never leaves the GPU.
+        logits = torch.empty((batch.shape[0], self.classes), device=self.device, dtype=torch.float32)
+        binding = self.session.io_binding()
+        binding.bind_input(IMAGE, "cuda", self.device.index or 0, np.float32, list(batch.shape), batch.data_ptr())
+        binding.bind_output(LOGITS, "cuda", self.device.index or 0, np.float32, list(logits.shape),
+                            logits.data_ptr())
+        torch.cuda.current_stream(self.device).synchronize()  # the batch is complete before ORT reads it
+        self.session.run_with_iobinding(binding)
+        return logits

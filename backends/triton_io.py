@@ -1,0 +1,38 @@
+"""What both backends need from python_backend: the instance's device, the config's parameters, errors.
+
+build-repo copies this file beside each model.py; it must stay self-contained.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton_python_backend_utils as pb_utils
+except ImportError:  # imported outside Triton (tests, perf): only the helpers that need no Triton work
+    pb_utils = None
+
+
+def model_parameters(config: dict) -> dict[str, str]:
+    """The `parameters` of a model config (as python_backend hands it over, JSON) as plain strings."""
+    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def instance_device(args: dict) -> torch.device:
+    """The device of this instance (model_instance_kind / _device_id), never a bare "cuda"."""
+    if args.get("model_instance_kind") != "GPU":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("instance group asks for a GPU but torch sees no CUDA device")
+    device = torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+    # Without this every instance also creates a context on GPU 0, and DLPack refuses tensors
+    # that live on a device other than the current one.
+    torch.cuda.set_device(device)
+    return device
+
+
+def error_response(message: str, *, invalid: bool):
+    """A response carrying only an error. invalid: the request's own fault (INVALID_ARG, HTTP 400);
+    otherwise the server's (INTERNAL, HTTP 500), e.g. a forward pass that failed."""
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid else None
+    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)

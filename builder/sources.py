@@ -1,0 +1,59 @@
+"""The slow part of a build: the classifier a Plan names, loaded from its source, never running code unasked.
+
+Sources: a torchvision model (weights auto/random/pretrained/a file), a TorchServe .mar, a model file.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from builder import custom, mar
+from builder.plan import Plan
+from builder.weights import Classifier, ModelCode, load_classifier, read_state_dict
+
+
+def load(plan: Plan, archive: mar.Archive | None = None) -> Classifier:
+    """The classifier `plan` names, with its name, preprocessing and class names set."""
+    labels = custom.load_labels(plan.labels) if plan.labels else None
+    if plan.source == "torchvision":
+        classifier = load_classifier(plan.model, plan.weights, plan.seed)
+        classifier.name = plan.name
+        classifier.preprocessing = plan.preprocessing or replace(classifier.preprocessing, **plan.overrides)
+        if labels is not None:
+            classifier.categories = custom.fit_labels(labels, len(classifier.categories), classifier.weights)
+        return classifier
+    if plan.source == "mar":
+        return _from_archive(plan, archive, labels)
+    code = ModelCode(plan.model_file.resolve(), plan.model_class or "")
+    state = read_state_dict(Path(plan.weights))
+    return custom.code_classifier(code, state, plan.name, plan.weights, plan.preprocessing, labels,
+                                  source=f"model file {plan.model_file.name}")
+
+
+def _from_archive(plan: Plan, archive: mar.Archive, labels) -> Classifier:
+    state = read_state_dict(archive.serialized_file)
+    if labels is None and archive.labels_file is not None:
+        labels = custom.load_labels(archive.labels_file)
+    label = f"{archive.path.name}:{archive.serialized_file.name}"
+    source = f"TorchServe archive {archive.path.name} (handler {archive.handler})"
+    match = None if plan.model_class else custom.match_torchvision(state)
+    if match is not None:
+        architecture, classes = match
+        return custom.torchvision_classifier(architecture, classes, state, plan.name, label, plan.preprocessing,
+                                             custom.fit_labels(labels, classes, label), source)
+    if archive.model_file is None:
+        raise mar.ArchiveError(f"the weights in {archive.path.name} fit no torchvision classification model and "
+                               "the archive has no model file to build them with")
+    if not plan.trust_model_code:
+        raise mar.ArchiveError(f"the weights in {archive.path.name} fit no torchvision classification model, so "
+                               f"serving them means running the archive's {archive.model_file.name}; pass "
+                               "--trust-model-code if you trust its code (nothing from it was run)")
+    code = ModelCode(archive.model_file, plan.model_class or "", tuple(archive.extra_files))
+    return custom.code_classifier(code, state, plan.name, label, plan.preprocessing, labels, source)
+
+
+def describe(c: Classifier) -> str:
+    if c.code is not None:
+        return f"{c.code.class_name} from {c.code.file.name}, weights {c.weights}, {len(c.categories)} classes"
+    origin = f" ({c.source}: the weights fit torchvision's {c.architecture}, whose code serves them)" if c.source else ""
+    return f"torchvision {c.architecture}, weights {c.weights}, {len(c.categories)} classes{origin}"

@@ -1,0 +1,58 @@
+"""The I/O contract between build-repo, the backends and the clients: tensor names, parameter keys, buckets.
+
+build-repo copies this file beside each backend's model.py (Triton puts the version folder on sys.path),
+so it must stay self-contained: standard library only.
+"""
+from __future__ import annotations
+
+# Tensor names, chosen once: the export, config.pbtxt, the backends and every client use these.
+IMAGE = "IMAGE"              # FP32 [N, 3, H, W]: a preprocessed image batch (the classifier's input)
+LOGITS = "LOGITS"            # FP32 [N, classes]: the classifier's output
+IMAGE_BYTES = "IMAGE_BYTES"  # BYTES [N, 1]: encoded images (JPEG, PNG, ...), the image path's input
+
+# Model config parameters that build-repo writes and the backends or clients read (string values).
+PARAMETERS = {
+    "engine": "what the classifier's stub runs: torch, torchscript or onnxruntime",
+    "weights_file": "the state_dict in the version folder (engine torch)",
+    "model_file": "the user's model code in the version folder (engine torch, --model-file/.mar)",
+    "model_class": "the nn.Module class in model_file",
+    "torchvision_model": "the torchvision architecture the weights fit",
+    "num_classes": "rows of LOGITS",
+    "num_threads": "torch/onnxruntime threads per CPU instance; 0: the engine's default",
+    "precision": "fp32, fp16 or bf16 (GPU instances)",
+    "cuda_graphs": "1: one CUDA graph per batch bucket",
+    "cudnn_benchmark": "1: cuDNN picks its algorithms per bucket at load time",
+    "batch_buckets": "comma list of batch sizes a GPU instance pads to",
+    "decode_device": "cpu or gpu: where NAME_preprocess decodes JPEGs",
+    "weights": "where the weights came from (provenance)",
+    "source": "what the model was built from, e.g. a TorchServe archive (provenance)",
+    "model_imports": "modules the model file imports (provenance)",
+    "labels": "JSON list of class names, unless they are the torchvision weights' own",
+    "preprocess_weights": "torchvision weights whose transforms() and categories apply",
+    "resize_size": "preprocessing: shorter side after resizing, pixels",
+    "crop_size": "preprocessing: side of the center crop, pixels (IMAGE is [3, crop, crop])",
+    "mean": "preprocessing: per-channel mean, comma list",
+    "std": "preprocessing: per-channel std, comma list",
+    "interpolation": "preprocessing: the resize filter",
+}
+
+
+def buckets_for(max_batch: int) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself: a GPU batch pads to the next bucket."""
+    sizes, size = [], 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max(max_batch, 1)]
+
+
+def parse_buckets(text: str, max_batch: int) -> list[int]:
+    """The `batch_buckets` parameter as sorted sizes; empty text means buckets_for(max_batch)."""
+    if not text.strip():
+        return buckets_for(max_batch)
+    sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch_buckets must be positive integers, got {text!r}")
+    if sizes[-1] < max_batch:  # every batch Triton can form must fit a bucket
+        sizes.append(max_batch)
+    return sizes

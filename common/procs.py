@@ -1,0 +1,34 @@
+"""Process and port helpers shared by the server, the builder and the drills."""
+from __future__ import annotations
+
+import os
+import socket
+
+
+def pid_alive(pid: int) -> bool:
+    """True if a process with this id exists (someone else's live process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def port_free(host: str, port: int) -> bool:
+    """True if `port` on `host` can be bound now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel says is free now (another process may still take it before we bind)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,1 @@
+"""Worked examples, e.g. migrating a TorchServe archive."""

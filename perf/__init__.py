@@ -1,0 +1,1 @@
+"""Measuring: the load generator, Triton statistics, benchmarks, tuning; results/ holds their outputs."""

@@ -1,0 +1,63 @@
+"""tritonserver's log: kept in a file and a tail, read back as the reason for a failure."""
+from __future__ import annotations
+
+import collections
+import re
+import subprocess
+from pathlib import Path
+
+# Triton logs: failed to load 'resnet18' version 1: Internal: KeyError: ...\n\nAt: ...
+_LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*)")
+# What a CPU-only machine always logs; never the reason for a failure.
+_HARMLESS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver version is insufficient")
+# How a process says it crashed (C++ exceptions, fatal signals, the kernel's OOM answer): these come first.
+_CRASH = re.compile(r"terminate called|what\(\)|std::bad_alloc|Signal \(\d+\) received|Segmentation fault|"
+                    r"Aborted|core dumped|out of memory", re.IGNORECASE)
+
+
+class TritonLog:
+    """The last lines tritonserver wrote (all of them go to `path`)."""
+
+    def __init__(self, path: Path | None = None, keep: int = 400):
+        self.path = path
+        self._tail: collections.deque[str] = collections.deque(maxlen=keep)
+
+    def clear(self) -> None:
+        self._tail.clear()
+
+    def pump(self, process: subprocess.Popen) -> None:
+        """Copy the process's output into the file and the tail until it ends (run in a thread)."""
+        with open(self.path, "a", encoding="utf-8", errors="replace") as log:
+            for raw in process.stdout:
+                line = raw.decode("utf-8", "replace").rstrip()
+                self._tail.append(line)
+                log.write(line + "\n")
+                log.flush()
+
+    def crash_lines(self) -> str:
+        """A crash's last words (deduplicated), or the empty string."""
+        crash = [line.strip() for line in self._tail if _CRASH.search(line)]
+        return " | ".join(dict.fromkeys(crash[-4:]))
+
+    def reason(self) -> str:
+        """Triton's own words for a failure: a crash's last words, why each model failed to load, or its
+        error lines."""
+        crash = self.crash_lines()
+        if crash:
+            return crash
+        lines = list(self._tail)
+        failed = [m.group(1) + ": " + m.group(2).split("\\n")[0].strip()
+                  for m in map(_LOAD_FAILURE.search, lines) if m]
+        if failed:
+            return "; ".join(dict.fromkeys(failed))
+        errors = [line for line in lines if (line.startswith("E") or "error" in line.lower())
+                  and not any(noise in line for noise in _HARMLESS)]
+        return " | ".join(errors[-4:] or lines[-5:]) or "no output"
+
+    def last_words(self) -> str:
+        """What a server that died said last: its crash lines, else its last log line."""
+        crash = self.crash_lines()
+        if crash:
+            return crash
+        said = [line.strip() for line in self._tail if line.strip()]
+        return "nothing in its log says why (last line: " + (said[-1][:200] if said else "none") + ")"

@@ -1,0 +1,87 @@
+"""tritonserver's processes as /proc shows them: its python-backend stubs, and what killed runs left behind."""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from common.procs import pid_alive
+
+# Our names in /tmp and /dev/shm carry the owning process id, so that a later start can tell
+# what a killed serve-repo left behind (its pid is gone) from what a running one still uses.
+WORKDIR_PREFIX = "triton-serve-"
+SHM_PREFIX = "tcls"
+_OWNED = re.compile(r"^(?:triton-serve-|tcls)(\d+)[-_]")
+_PR_SET_PDEATHSIG = 1
+
+
+def remove_stale(tmp: Path | None = None, shm: Path = Path("/dev/shm")) -> list[str]:
+    """Remove work directories and python-backend shared memory left by serve-repos that were killed."""
+    removed = []
+    for folder, is_dir in ((Path(tmp or tempfile.gettempdir()), True), (shm, False)):
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            owner = _OWNED.match(entry.name)
+            if not owner or pid_alive(int(owner.group(1))):
+                continue
+            try:
+                shutil.rmtree(entry) if is_dir and entry.is_dir() else entry.unlink()
+                removed.append(str(entry))
+            except OSError:
+                pass
+    return removed
+
+
+def die_with_parent(parent: int) -> None:
+    """In the child before exec: the kernel kills it when the process that started it ends, even by kill -9."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class Stub:
+    """A python-backend stub process, read from /proc: its model, instance and whether it is still alive."""
+
+    def __init__(self, pid: int, argv: list[str], zombie: bool):
+        self.pid, self.zombie = pid, zombie
+        # triton_python_backend_stub <repo>/<model>/<version>/model.py <shm region> <sizes> <parent pid>
+        #   <backend dir> <ipc size> <instance name> <runtime>   (python_backend r24.10, stub_launcher.cc)
+        self.model = Path(argv[1]).parent.parent.name if len(argv) > 1 else "?"
+        self.instance = argv[8] if len(argv) > 8 else str(pid)
+
+    @property
+    def alive(self) -> bool:
+        return not self.zombie
+
+    @property
+    def serves(self) -> bool:
+        """An instance's stub (`<model>_<group>_<n>`), not the short-lived one a load starts for the model
+        itself (named after the model), which exits once the model is loaded."""
+        return self.instance != self.model and self.instance.startswith(self.model + "_")
+
+
+def stubs_of(pid: int) -> list[Stub]:
+    """The python-backend stubs tritonserver `pid` started (zombies included: they died)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+            fields = stat[stat.rfind(")") + 2:].split()
+            if int(fields[1]) != pid:
+                continue
+            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if stat[stat.find("(") + 1:].startswith("triton_python"):  # comm, also of a zombie (no cmdline)
+            found.append(Stub(int(entry.name), argv, fields[0] == "Z"))
+    return found
