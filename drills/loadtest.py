@@ -1,7 +1,7 @@
 """Mixed load: N requests (good and bad, both models, HTTP and gRPC) from C concurrent clients; every
 request must get exactly one answer, good ones equal to in-process, bad ones a clear refusal.
 
-    python -m drills.loadtest --requests 5000 --concurrency 40 --out perf/results/load-mixed.json
+    python -m drills.loadtest --requests 5000 --concurrency 40 --out drills/results/load-mixed.json
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from common.cli import OneLineParser
+from perf.stats import counters
 from drills.mixed import Sender, Tally, build_cases, reference_for, schedule
 
 SEED = 0
@@ -45,9 +46,8 @@ def average_batches(http_url: str, models) -> dict:
     client = httpclient.InferenceServerClient(http_url)
     found = {}
     for model in models:
-        stats = client.get_inference_statistics(model)["model_stats"][0]
-        executions = stats.get("execution_count", 0)
-        found[model] = round(stats.get("inference_count", 0) / executions, 2) if executions else 0
+        average = counters(client, model).avg_batch
+        found[model] = round(average, 2) if average == average else 0  # NaN: the model never ran
     return found
 
 

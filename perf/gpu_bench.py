@@ -18,6 +18,7 @@ import numpy as np
 from common.cli import OneLineParser
 
 from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
+from perf.stats import STAGES, counters
 
 
 def parser():
@@ -115,36 +116,22 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
     stats = grpcclient.InferenceServerClient(url)
     target = model if kind != "jpeg" else model.removesuffix("_image")
     time.sleep(max(0.0, start + warmup - time.monotonic()))
-    before = _stats(stats, target)
+    before = counters(stats, target)
     completions = [c for _ in workers for c in queue.get()]
-    after = _stats(stats, target)
+    after = counters(stats, target)
     for w in workers:
         w.join()
     rows = payload["shape"][0] if kind == "tensor" and len(payload["shape"]) == 4 else 1
     good = sorted(done for done, _, ok in completions if ok is True)
     lat = np.array([latency for _, latency, ok in completions if ok is True] or [np.nan]) * 1000
-    inferences = after["inference_count"] - before["inference_count"]
-    executions = after["execution_count"] - before["execution_count"]
-    successes = max(after["success"] - before["success"], 1)
+    interval = after - before
     # Triton's own split of each request's time (per request, ms): where a slow point spends it.
-    server = {f"{stage}_ms": (after[stage] - before[stage]) / successes / 1e6 for stage in STAGES}
+    server = {f"{stage}_ms": interval.ms_per_request(stage) for stage in STAGES}
     return {"concurrency": concurrency, "requests": len(good), "errors": len(completions) - len(good),
             "images_per_s": rows * (len(good) - 1) / (good[-1] - good[0]) if len(good) > 1 else 0.0,
             "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
-            "avg_batch": inferences / executions if executions else 0.0, **server,
+            "avg_batch": interval.avg_batch if interval.executions else 0.0, **server,
             "first_error": next((err for _, _, err in completions if err is not True), "")}
-
-
-STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
-
-
-def _stats(client, model) -> dict:
-    s = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-    stats = s.get("inference_stats", {})
-    out = {"inference_count": int(s.get("inference_count", 0)), "execution_count": int(s.get("execution_count", 0)),
-           "success": int(stats.get("success", {}).get("count", 0))}
-    out.update({stage: int(stats.get(stage, {}).get("ns", 0)) for stage in STAGES})
-    return out
 
 
 def reload(client, model, base, **changes) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import tritonclient.http as httpclient
 
 from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
+from perf.stats import counters
 
 
 @dataclass
@@ -33,18 +34,6 @@ class Point:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def statistics(client, model: str) -> dict:
-    stats = client.get_inference_statistics(model)["model_stats"]
-    return next(s for s in stats if s["name"] == model)
-
-
-def _delta(after: dict, before: dict, *path: str) -> int:
-    a, b = after, before
-    for key in path:
-        a, b = a.get(key, {}), b.get(key, {})
-    return int(a or 0) - int(b or 0)
 
 
 def sample(side: int, batched: bool, seed: int = 0) -> np.ndarray:
@@ -96,10 +85,10 @@ def run_load(url: str, model: str, concurrency: int, seconds: float, image: np.n
     timing.update(measure=begin + warmup, end=begin + warmup + seconds)
     start_gate.wait()
     time.sleep(warmup)
-    before = statistics(stats_client, model)
+    before = counters(stats_client, model)
     for thread in threads:
         thread.join()
-    after = statistics(stats_client, model)
+    after = counters(stats_client, model)
     return _point(label, concurrency, seconds, completions, before, after)
 
 
@@ -121,19 +110,13 @@ def interval_rate(times: list[float], burst: float = 0.01) -> float:
 def _point(label, concurrency, seconds, completions, before, after) -> Point:
     good = [(done, latency) for done, latency, ok in completions if ok]
     lat_ms = np.array([latency for _, latency in good]) * 1000 if good else np.array([np.nan])
-    inferences = _delta(after, before, "inference_count")
-    executions = _delta(after, before, "execution_count")
-    successes = max(_delta(after, before, "inference_stats", "success", "count"), 1)
-    compute_ns = sum(_delta(after, before, "inference_stats", part, "ns")
-                     for part in ("compute_input", "compute_infer", "compute_output"))
+    interval = after - before
     return Point(
         config=label, concurrency=concurrency, requests=len(good), errors=len(completions) - len(good),
         seconds=seconds, throughput=interval_rate([done for done, _ in good]),
         p50_ms=float(np.percentile(lat_ms, 50)), p95_ms=float(np.percentile(lat_ms, 95)),
         p99_ms=float(np.percentile(lat_ms, 99)),
-        avg_batch=inferences / executions if executions else float("nan"),
-        queue_ms=_delta(after, before, "inference_stats", "queue", "ns") / successes / 1e6,
-        compute_ms=compute_ns / successes / 1e6,
+        avg_batch=interval.avg_batch, queue_ms=interval.ms_per_request("queue"), compute_ms=interval.compute_ms(),
     )
 
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from builder import cli as build_repo
+from builder import sources
 from conftest import SMALL, build
 
 
@@ -18,7 +19,7 @@ def _argv(output, *extra):
 def test_build_repo_refuses_unwritable_output_before_loading_the_model_when_parent_is_a_file(tmp_path, capsys,
                                                                                                  monkeypatch):
     (tmp_path / "file").write_text("not a directory")
-    monkeypatch.setattr(build_repo, "load_classifier", lambda *a: pytest.fail("loaded the model first"))
+    monkeypatch.setattr(sources, "load_classifier", lambda *a: pytest.fail("loaded the model first"))
     assert build_repo.main(_argv(tmp_path / "file" / "repo")) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("build-repo: error: cannot write the repository") and len(err.splitlines()) == 1

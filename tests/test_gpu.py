@@ -14,6 +14,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from backends.batch_runner import PRECISIONS, BatchRunner
 from common.modelconfig import read_config
 from server.triton import TritonServer
+from perf.stats import counters
 from conftest import SMALL, build, reference_logits, reference_model, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -64,12 +65,12 @@ def test_gpu_server_returns_each_request_its_rows_when_batches_pad(tmp_path, sma
     with ThreadPoolExecutor(len(requests)) as pool:
         served = list(pool.map(lambda x: _infer(server.grpc_url, SMALL, x), requests))
     client = grpcclient.InferenceServerClient(server.grpc_url)
-    stats = client.get_inference_statistics(SMALL, as_json=True)["model_stats"][0]
+    stats = counters(client, SMALL)
     assert client.is_server_ready()
     for images, logits in zip(requests, served):
         assert logits.shape == (images.shape[0], 1000)
         assert relative_error(logits, reference_logits(small_model, images)) <= TOLERANCE[precision]
-    assert int(stats["inference_count"]) == sum(len(r) for r in requests)
+    assert stats.inferences == sum(len(r) for r in requests)
 
 
 def test_gpu_onnxruntime_engine_loads_only_with_a_real_cuda_provider(tmp_path, small_model):

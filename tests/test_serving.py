@@ -7,6 +7,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from perf.stats import counters
 from conftest import SMALL, reference_logits, relative_error
 
 RNG = np.random.default_rng(0)
@@ -25,8 +26,8 @@ def _infer(url: str, images: np.ndarray, model: str = SMALL, dtype: str = "FP32"
 
 
 def _stats(url: str, model: str = SMALL) -> tuple[int, int]:
-    stats = httpclient.InferenceServerClient(url).get_inference_statistics(model)["model_stats"][0]
-    return int(stats["inference_count"]), int(stats["execution_count"])
+    now = counters(httpclient.InferenceServerClient(url), model)
+    return now.inferences, now.executions
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

@@ -1,0 +1,45 @@
+"""Triton's statistics API, read once: a snapshot of one model's counters and the difference of two."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The stages of a request's time in Triton's statistics (ns totals over successful requests).
+STAGES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A model's cumulative counters at one moment, or (after `-`) over an interval."""
+
+    inferences: int = 0   # images (batch rows) inferred
+    executions: int = 0   # batches the model ran
+    successes: int = 0    # requests that succeeded
+    ns: dict[str, int] = field(default_factory=dict)  # stage -> total nanoseconds
+
+    def __sub__(self, earlier: "Counters") -> "Counters":
+        return Counters(self.inferences - earlier.inferences, self.executions - earlier.executions,
+                        self.successes - earlier.successes,
+                        {stage: self.ns.get(stage, 0) - earlier.ns.get(stage, 0) for stage in STAGES})
+
+    @property
+    def avg_batch(self) -> float:
+        """Inferences per execution: above 1 means Triton formed batches."""
+        return self.inferences / self.executions if self.executions else float("nan")
+
+    def ms_per_request(self, stage: str) -> float:
+        """Average milliseconds a successful request spent in `stage`."""
+        return self.ns.get(stage, 0) / max(self.successes, 1) / 1e6
+
+    def compute_ms(self) -> float:
+        return sum(self.ms_per_request(stage) for stage in STAGES if stage != "queue")
+
+
+def counters(client, model: str) -> Counters:
+    """The model's counters now, from an HTTP or a gRPC tritonclient (JSON numbers or int64 strings)."""
+    grpc = type(client).__module__.startswith("tritonclient.grpc")
+    reply = client.get_inference_statistics(model, as_json=True) if grpc else client.get_inference_statistics(model)
+    stats = next(s for s in reply["model_stats"] if s["name"] == model)
+    stages = stats.get("inference_stats", {})
+    return Counters(int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0)),
+                    int(stages.get("success", {}).get("count", 0)),
+                    {stage: int(stages.get(stage, {}).get("ns", 0)) for stage in STAGES})
