@@ -1,0 +1,73 @@
+"""The layout by job holds: each room imports only what its place in the data path allows, modules stay short."""
+import ast
+import re
+import subprocess
+
+import pytest
+
+from builder.repository import CLASSIFIER_FILES, PREPROCESS_FILES
+from conftest import ROOT
+
+# Room -> the rooms it may import. The pipeline rooms (builder, server, backends) share only common/;
+# clients/ may drive the pipeline (the demo builds, serves and classifies, as a user would); the rooms
+# that measure, break and show may use anything but the tests.
+PIPELINE = {"common", "builder", "server", "backends"}
+ALLOWED = {
+    "common": {"common"},
+    "builder": {"common", "builder"},
+    "server": {"common", "server"},
+    "backends": {"common", "backends"},
+    "clients": {"common", "builder", "server", "clients"},
+    "perf": PIPELINE | {"clients", "perf"},
+    "drills": PIPELINE | {"clients", "perf", "drills"},
+    "examples": PIPELINE | {"clients", "examples"},
+}
+ROOMS = set(ALLOWED) | {"tests"}
+# Inside a version folder the backends import their helpers by bare name (the folder is on sys.path).
+BUNDLED = {name.removesuffix(".py") for name in {**CLASSIFIER_FILES, **PREPROCESS_FILES}}
+MAX_LINES = 350
+
+
+def _modules(room: str) -> list:
+    return sorted((ROOT / room).rglob("*.py"))
+
+
+def _imported_rooms(path) -> set[str]:
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        rooms |= {name.split(".")[0] for name in names} & ROOMS
+    return rooms
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_room_imports_only_the_rooms_below_it_when_its_modules_are_parsed(room):
+    wrong = {str(path.relative_to(ROOT)): sorted(_imported_rooms(path) - ALLOWED[room]) for path in _modules(room)}
+    assert not {path: rooms for path, rooms in wrong.items() if rooms}
+
+
+def test_backends_import_their_helpers_by_bare_name_only_from_the_bundle_when_parsed():
+    local = {path.stem for path in _modules("backends")} | {path.stem for path in _modules("common")}
+    for path in _modules("backends"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in local:
+                assert node.module in BUNDLED, f"{path.name} imports {node.module}, which build-repo does not copy"
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_modules_are_short_and_say_what_they_do_when_read(room):
+    for path in _modules(room):
+        text = path.read_text()
+        assert len(text.splitlines()) <= MAX_LINES, f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines"
+        assert ast.get_docstring(ast.parse(text)), f"{path.relative_to(ROOT)} has no docstring"
+
+
+def test_no_script_kills_processes_by_pattern_when_the_tree_is_searched():
+    """Kill by pid: a pattern kill (pkill -f, killall) also ends other people's servers on a shared machine."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    scripts = [ROOT / name for name in listed if name != "tests/test_layout.py" and (ROOT / name).is_file()
+               and (name.endswith((".py", ".sh", ".yaml", ".yml")) or name.endswith("Makefile"))]
+    pattern = re.compile(r"\b(pkill|killall)\b")
+    assert scripts and not [str(p.relative_to(ROOT)) for p in scripts if pattern.search(p.read_text(errors="replace"))]
