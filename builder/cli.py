@@ -42,8 +42,7 @@ def _delay_ms(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="build-repo", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="build-repo", description=__doc__)
     p.add_argument("--model", help="torchvision classification model. Default: resnet152 (unless --from-mar or "
                                    "--model-file).")
     p.add_argument("--from-mar", type=Path, metavar="FILE.mar",

@@ -7,7 +7,6 @@ tests/test_supervisor.py runs each drill once and checks its outcome; this scrip
 the figures."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -248,8 +247,7 @@ def _summary(values: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m drills.faults", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m drills.faults", description=__doc__)
     p.add_argument("--model", default="resnet18", help="Default: resnet18 (random weights, seed 0).")
     p.add_argument("--rounds", type=int, default=3, help="times each drill runs. Default: 3.")
     p.add_argument("--out", type=Path, help="JSON to write.")

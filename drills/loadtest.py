@@ -5,7 +5,6 @@ request must get exactly one answer, good ones equal to in-process, bad ones a c
 """
 from __future__ import annotations
 
-import argparse
 import json
 import queue
 import sys
@@ -79,8 +78,7 @@ def drive(sequence, http_url: str, grpc_url: str, concurrency: int, tally: Tally
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m drills.loadtest", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m drills.loadtest", description=__doc__)
     p.add_argument("--model", default="resnet18", help="torchvision model, random weights (seed 0). Default: resnet18.")
     p.add_argument("--requests", type=int, default=5000, help="Default: 5000.")
     p.add_argument("--concurrency", type=int, default=40, help="Default: 40.")

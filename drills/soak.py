@@ -5,7 +5,6 @@ each stub (RSS) and the python backend's shared memory in /dev/shm; writes JSON 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -81,8 +80,7 @@ def plot(samples: list[dict], models: list[str], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m drills.soak", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m drills.soak", description=__doc__)
     p.add_argument("--model", default="resnet18", help="Default: resnet18.")
     p.add_argument("--minutes", type=float, default=10, help="Default: 10.")
     p.add_argument("--concurrency", type=int, default=8, help="Default: 8.")

@@ -7,7 +7,6 @@ model run in-process the way TorchServe's image_classifier handler runs it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -16,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-SAMPLE = Path(__file__).resolve().parent / "samples" / "chelsea.jpg"
+from common.cli import OneLineParser
+
+SAMPLE = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
 EFFICIENTNET_MODEL = '''"""EfficientNet-Lite0 in TorchServe's convention: one nn.Module class with a no-argument constructor."""
 from efficientnet_lite_pytorch import EfficientNet
 from efficientnet_lite_pytorch.utils import get_model_params
@@ -91,8 +92,7 @@ def torchserve_top5(model: torch.nn.Module, labels: list[str], image: Path = SAM
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.migrate_torchserve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m examples.migrate_torchserve", description=__doc__)
     p.add_argument("--out", type=Path, help="also write the report here. Default: stdout only.")
     args = p.parse_args(argv)
     from builder import cli as build_repo

@@ -7,7 +7,6 @@ how fast a rejected request learns it was rejected.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -79,8 +78,7 @@ def open_loop(grpc_url: str, model: str, image: np.ndarray, rate: float, seconds
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="python -m perf.overload", description=__doc__,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m perf.overload", description=__doc__)
     p.add_argument("--model", default="resnet18", help="Default: resnet18 (random weights).")
     p.add_argument("--max-batch-size", type=int, default=8, help="Default: 8.")
     p.add_argument("--max-queue-size", type=int, default=32, help="Default: 32.")
