@@ -1,7 +1,7 @@
 """Soak: mixed traffic (drills.mixed) for a fixed time while recording the memory of tritonserver and of
 each stub (RSS) and the python backend's shared memory in /dev/shm; writes JSON and a plot.
 
-    python -m drills.soak --minutes 10 --concurrency 8 --out perf/results/soak
+    python -m drills.soak --minutes 10 --concurrency 8 --out drills/results/soak
 """
 from __future__ import annotations
 
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8, help="Default: 8.")
     p.add_argument("--every", type=float, default=5, help="seconds between memory samples. Default: 5.")
     p.add_argument("--warmup", type=float, default=60, help="seconds left out of the growth figure. Default: 60.")
-    p.add_argument("--out", type=Path, default=Path("perf/results/soak"),
-                   help="writes OUT.json and OUT.png. Default: perf/results/soak.")
+    p.add_argument("--out", type=Path, default=Path("drills/results/soak"),
+                   help="writes OUT.json and OUT.png. Default: drills/results/soak.")
     args = p.parse_args(argv)
 
     from server.triton import TritonServer
