@@ -1,1 +1,1 @@
-"""tritonclient scripts: classify images, benchmark and tune the batching config."""
+"""What a user runs against a served model: classify images, the demo, a curl example."""

@@ -236,10 +236,11 @@ def kill_9_serve_repo(repository: Path) -> dict:
         time.sleep(0.02)
     left_shm = shm_of(supervisor)
     removed = remove_stale()
+    # Names, not paths: the results are committed and must not carry this machine's temp dir.
     return {"tritonserver_gone_after_s": gone.get(triton), "stubs_gone_after_s": [gone.get(p) for p in stubs],
-            "stubs": len(stubs), "left_behind": {"shm": left_shm, "workdirs": workdirs},
-            "removed_by_next_start": removed, "still_there": shm_of(supervisor)
-            + [w for w in workdirs if os.path.exists(w)]}
+            "stubs": len(stubs), "left_behind": {"shm": left_shm, "workdirs": [Path(w).name for w in workdirs]},
+            "removed_by_next_start": [Path(r).name for r in removed], "still_there": shm_of(supervisor)
+            + [Path(w).name for w in workdirs if os.path.exists(w)]}
 
 
 def _summary(values: list[float]) -> dict:

@@ -1,7 +1,7 @@
 """Mixed load: N requests (good and bad, both models, HTTP and gRPC) from C concurrent clients; every
 request must get exactly one answer, good ones equal to in-process, bad ones a clear refusal.
 
-    python -m drills.loadtest --requests 5000 --concurrency 40 --out drills/results/load-mixed.json
+    python -m drills.loadtest --requests 5000 --concurrency 40 --out drills/results/load-mixed-resnet18.json
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """serve-repo survives its bad day: a dead stub's model is reloaded, a dead tritonserver restarted,
 the request that aborts Triton 2.51 costs one restart, SIGTERM drains, kill -9 leaves nothing.
 
-The drills are drills.faults' (which repeats them and keeps the figures in perf/results/); here each
+The drills are drills.faults' (which repeats them and keeps the figures in drills/results/); here each
 runs once and its outcome is checked. Time limits are far above what was measured (~9 s to recover on
 2 cores): they only catch "never"."""
 from __future__ import annotations

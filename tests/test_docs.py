@@ -1,0 +1,111 @@
+"""The docs as a reader meets them: links and paths that resolve, results without machine paths, an exact map."""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOT_OURS = {".git", ".venv", "build", "__pycache__", ".pytest_cache"}
+RESULTS = ("perf/results", "drills/results")
+# Where a run's machine leaves its mark: home folders, temp folders, this project's checkouts, system trees.
+MACHINE_PATHS = (b"/root/", b"/tmp/", b"/home/", b"/work/", b"/Users/", b"/usr/", b"/opt/", b"/mnt/")
+# Rooms whose every module the README's map must name.
+ROOMS = ("common", "builder", "server", "backends", "clients", "perf", "drills", "examples", "tools")
+
+
+def _files() -> list[Path]:
+    """The repository's files: git's list where there is a checkout, else the tree minus what is not ours."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        return [ROOT / name for name in out.decode().split("\0") if name and (ROOT / name).exists()]
+    except (OSError, subprocess.CalledProcessError):
+        return [p for p in ROOT.rglob("*") if p.is_file() and not NOT_OURS & set(p.relative_to(ROOT).parts)
+                and not any(part.endswith(".egg-info") for part in p.parts)]
+
+
+def _markdown() -> list[Path]:
+    return [p for p in _files() if p.suffix == ".md"]
+
+
+def _prose(text: str) -> str:
+    """The text without fenced code blocks and inline code, where brackets are code, not links."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _relative_targets(text: str) -> list[str]:
+    prose = _prose(text)
+    targets = re.findall(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", prose)
+    targets += re.findall(r"^\s*\[[^\]\n]+\]:\s*<?(\S+?)>?(?:\s|$)", prose, flags=re.M)
+    return [t for t in targets if not re.match(r"^[a-z][a-z0-9+.-]*:", t, re.I) and not t.startswith("#")]
+
+
+def test_markdown_links_resolve_when_the_docs_are_read():
+    broken = []
+    for md in _markdown():
+        for target in _relative_targets(md.read_text()):
+            path = target.split("#", 1)[0]
+            if path and not (md.parent / path).exists():
+                broken.append(f"{md.relative_to(ROOT)}: {target}")
+    assert not broken, "links to nothing:\n" + "\n".join(broken)
+
+
+def test_repository_paths_in_inline_code_exist_when_the_docs_are_read():
+    """`perf/results/x.json`-style mentions are links a reader follows by hand: they must exist too.
+    CHANGELOG.md is history and names paths of its time."""
+    tops = {p.relative_to(ROOT).parts[0] for p in _files() if len(p.relative_to(ROOT).parts) > 1}
+    tops.discard("model_repository")  # its model folders are generated, never committed
+    missing = []
+    for md in [md for md in _markdown() if md.name != "CHANGELOG.md"]:
+        for span in re.findall(r"`([^`\s]+)`", md.read_text()):
+            path = span.split("::", 1)[0].rstrip(":,.")
+            if "/" not in path or path.split("/", 1)[0] not in tops or not re.search(r"\.\w+$|/$|\*", path):
+                continue
+            if not list(ROOT.glob(path.rstrip("/"))):
+                missing.append(f"{md.relative_to(ROOT)}: {span}")
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("folder", RESULTS)
+def test_results_carry_no_machine_path_when_committed(folder):
+    found = [f"{p.relative_to(ROOT)}: {marker.decode()}" for p in _files()
+             if p.relative_to(ROOT).as_posix().startswith(folder + "/")
+             for marker in MACHINE_PATHS if marker in p.read_bytes()]
+    assert not found, "machine paths in committed results:\n" + "\n".join(found)
+
+
+def _readme_map() -> dict[str, set[str]]:
+    """The README's map: top-level name -> the names listed under it (two-space indent, first word)."""
+    section = re.search(r"^## The map\n(.*?)^## ", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+    assert section, "README.md has a '## The map' section"
+    entries: dict[str, set[str]] = {}
+    current = None
+    for line in section.group(1).splitlines():
+        if not line.startswith("    ") or not line.strip() or line.strip()[0] in "│|":
+            continue
+        body = line[4:]
+        indent = len(body) - len(body.lstrip())
+        name = body.split()[0]
+        if indent == 0:
+            current = name
+            entries[name] = set()
+        elif indent == 2 and current:
+            entries[current].add(name)
+    return entries
+
+
+def test_readme_map_names_every_folder_and_module_when_read():
+    entries = _readme_map()
+    named = [top + child for top, children in entries.items() for child in [""] + sorted(children)]
+    assert not [n for n in named if not (ROOT / n).exists()], "the map names what does not exist"
+    folders = {p.relative_to(ROOT).parts[0] for p in _files()
+               if len(p.relative_to(ROOT).parts) > 1 and not p.relative_to(ROOT).parts[0].startswith(".")}
+    assert folders <= {top.split("/")[0] for top in entries}, "top-level folders missing from the map"
+    unnamed = [p.relative_to(ROOT).as_posix() for p in _files()
+               if p.relative_to(ROOT).parts[0] in ROOMS and len(p.relative_to(ROOT).parts) == 2
+               and p.suffix in (".py", ".sh") and p.name != "__init__.py"
+               and p.name not in entries.get(p.relative_to(ROOT).parts[0] + "/", set())]
+    assert not unnamed, f"modules the map does not name: {unnamed}"
