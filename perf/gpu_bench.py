@@ -17,7 +17,7 @@ import numpy as np
 
 from common.cli import OneLineParser
 
-from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
+from common.contract import IMAGE as INPUT
 from perf.stats import STAGES, counters
 
 

@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-from conftest import ROOT
+from support import ROOT
 
 CAT = ROOT / "clients" / "samples" / "chelsea.jpg"
 

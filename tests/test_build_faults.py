@@ -9,7 +9,7 @@ import pytest
 
 from builder import cli as build_repo
 from builder import sources
-from conftest import SMALL, build
+from support import SMALL, build
 
 
 def _argv(output, *extra):

@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from builder import cli as build_repo
 from common.modelconfig import read_config
-from conftest import SMALL, build, reference_model
+from support import SMALL, build, reference_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

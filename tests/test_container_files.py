@@ -20,7 +20,7 @@ import yaml
 
 from builder.repository import CLASSIFIER_FILES, PREPROCESS_FILES
 from server.repo import GPU_FLAGS
-from conftest import LARGE, ROOT, SEED, SMALL
+from support import LARGE, ROOT, SEED, SMALL
 
 DOCKER = ROOT / "docker"
 # What each base image ships (Triton release notes): the pins must be re-derived when the tag changes.

@@ -10,7 +10,7 @@ from PIL import Image
 from clients import classify
 import tritonclient.http as httpclient
 
-from conftest import LARGE, reference_model, relative_error
+from support import LARGE, reference_model, relative_error
 
 CAT = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
 

@@ -10,7 +10,7 @@ import tritonclient.http as httpclient
 from builder import cli as build_repo
 from builder import export
 from common.modelconfig import read_config
-from conftest import SMALL, build, reference_logits, relative_error
+from support import SMALL, build, reference_logits, relative_error
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from backends.batch_runner import PRECISIONS, BatchRunner
 from common.modelconfig import read_config
 from server.triton import TritonServer
 from perf.stats import counters
-from conftest import SMALL, build, reference_logits, reference_model, relative_error
+from support import SMALL, build, reference_logits, reference_model, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device here: the GPU path needs one (CI has none)")

@@ -9,7 +9,7 @@ from builder import cli as build_repo
 from common.modelconfig import read_config
 from server.repo import GPU_FLAGS, uses_gpu
 from server.triton import TritonServer
-from conftest import SMALL, build
+from support import SMALL, build
 
 
 def test_buckets_cover_every_batch_when_max_is_not_a_power_of_two():

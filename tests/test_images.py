@@ -11,7 +11,7 @@ from PIL import Image, ImageOps
 from tritonclient.utils import InferenceServerException
 
 from clients import classify
-from conftest import SMALL, relative_error
+from support import SMALL, relative_error
 from images import CAT, bad_images, good_images
 
 WEIGHTS = torchvision.models.ResNet18_Weights.DEFAULT
@@ -101,7 +101,7 @@ def test_curl_script_returns_top5_strings_when_posting_a_file(server, small_mode
     import json
     import subprocess
 
-    from conftest import ROOT
+    from support import ROOT
 
     result = subprocess.run([str(ROOT / "clients" / "curl_classify.sh"), str(CAT), server.http_url, SMALL, "5"],
                             capture_output=True, text=True, timeout=120)

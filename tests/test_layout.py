@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from builder.repository import CLASSIFIER_FILES, PREPROCESS_FILES
-from conftest import ROOT
+from support import ROOT
 
 # Room -> the rooms it may import. The pipeline rooms (builder, server, backends) share only common/;
 # clients/ may drive the pipeline (the demo builds, serves and classifies, as a user would); the rooms

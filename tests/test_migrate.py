@@ -21,7 +21,7 @@ from builder.custom import load_labels, match_torchvision
 from clients import classify
 from examples.migrate_torchserve import (EFFICIENTNET_MODEL, efficientnet_module, efficientnet_state, make_archive,
                                      torchserve_labels, torchserve_top5)
-from conftest import SEED, reference_model
+from support import SEED, reference_model
 from images import CAT
 from server.triton import TritonServer
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import SMALL
+from support import SMALL
 
 PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 

@@ -1,7 +1,5 @@
 """NAME_preprocess's tensor path (nvJPEG on a GPU, torchvision's decoder on CPU here) vs its PIL path."""
-import io
 
-import numpy as np
 import pytest
 import torch
 import torchvision
@@ -9,7 +7,7 @@ from PIL import Image
 
 from backends.decoding import ImageError, decode
 from backends.preprocess import Preprocessor
-from conftest import reference_model
+from support import reference_model
 from images import CAT, bad_images, encode, good_images
 
 TRANSFORM = torchvision.models.ResNet18_Weights.DEFAULT.transforms()

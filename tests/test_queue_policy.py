@@ -5,7 +5,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from common.modelconfig import read_config
-from conftest import SMALL, build
+from support import SMALL, build
 
 
 def test_bounded_queue_rejects_overflow_and_answers_the_rest_when_requests_burst(tmp_path, start_server):

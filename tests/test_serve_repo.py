@@ -13,7 +13,7 @@ import pytest
 from common.procs import free_port
 from server import cli, wheel
 from server.triton import ServerError, TritonServer
-from conftest import SMALL
+from support import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
 

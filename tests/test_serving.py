@@ -8,7 +8,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from perf.stats import counters
-from conftest import SMALL, reference_logits, relative_error
+from support import SMALL, reference_logits, relative_error
 
 RNG = np.random.default_rng(0)
 

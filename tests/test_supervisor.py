@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from drills import faults
-from conftest import SMALL, reference_logits
+from support import SMALL, reference_logits
 from server.procfs import remove_stale
 
 

@@ -7,7 +7,7 @@ import tritonclient.http as httpclient
 from common.modelconfig import read_config
 from server.triton import TritonServer
 from perf import tune
-from conftest import SMALL
+from support import SMALL
 
 
 @pytest.fixture(scope="module")
