@@ -17,16 +17,17 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from batch_runner import PRECISIONS, BatchRunner
     from contract import IMAGE, LOGITS, parse_buckets
     from engines import load_engine
-    from triton_io import error_response, instance_device, model_parameters
+    from triton_io import error_response, honor_faulthandler, instance_device, model_parameters
 except ImportError:
     from backends.batch_runner import PRECISIONS, BatchRunner
     from backends.engines import load_engine
-    from backends.triton_io import error_response, instance_device, model_parameters
+    from backends.triton_io import error_response, honor_faulthandler, instance_device, model_parameters
     from common.contract import IMAGE, LOGITS, parse_buckets
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        honor_faulthandler()
         config = json.loads(args["model_config"])
         params = model_parameters(config)
         self.device = instance_device(args)

@@ -20,16 +20,17 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from contract import IMAGE, IMAGE_BYTES
     from decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
     from transforms import transform_from_parameters
-    from triton_io import error_response, instance_device, model_parameters
+    from triton_io import error_response, honor_faulthandler, instance_device, model_parameters
 except ImportError:
     from backends.decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
-    from backends.triton_io import error_response, instance_device, model_parameters
+    from backends.triton_io import error_response, honor_faulthandler, instance_device, model_parameters
     from common.contract import IMAGE, IMAGE_BYTES
     from common.transforms import transform_from_parameters
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        honor_faulthandler()
         config = json.loads(args["model_config"])
         params = model_parameters(config)
         self.batched = int(config.get("max_batch_size", 0)) > 0

@@ -4,6 +4,9 @@ build-repo copies this file beside each model.py; it must stay self-contained.
 """
 from __future__ import annotations
 
+import faulthandler
+import os
+
 import torch
 
 try:
@@ -15,6 +18,14 @@ except ImportError:  # imported outside Triton (tests, perf): only the helpers t
 def model_parameters(config: dict) -> dict[str, str]:
     """The `parameters` of a model config (as python_backend hands it over, JSON) as plain strings."""
     return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+
+
+def honor_faulthandler() -> None:
+    """PYTHONFAULTHANDLER for the stub: its embedded Python runs isolated and ignores the variable, so a
+    stub killed by a fatal signal (a fault in CUDA) would die without a word; with it, its Python stack
+    goes to stderr, which is tritonserver's log."""
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
 
 
 def instance_device(args: dict) -> torch.device:

@@ -33,13 +33,14 @@ class TritonServer:
     can remove it (remove_stale)."""
 
     def __init__(self, repository, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1",
-                 model_control="none", log_file=None, extra_args=(), drain_seconds: float = 5):
+                 model_control="none", log_file=None, extra_args=(), drain_seconds: float = 5, env=None):
         self.repository = Path(repository).resolve()
         self.host = host
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
         self.model_control = model_control
         self.extra_args = list(extra_args)
         self.drain_seconds = drain_seconds
+        self.env = dict(env or {})  # added to our environment for tritonserver (its stubs inherit it)
         self._workdir: Path | None = None  # made by the first start(): backend symlinks and, by default, the log
         self._own_log = log_file is None
         self.log = TritonLog(Path(log_file) if log_file else None)
@@ -110,7 +111,7 @@ class TritonServer:
             self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
             if self._own_log:
                 self.log.path = self._workdir / "tritonserver.log"
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         # The stub embeds the system libpython, which finds its prefix through the first `python3`
         # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

@@ -7,13 +7,14 @@ from PIL import Image
 
 from backends.decoding import ImageError, decode
 from backends.preprocess import Preprocessor
+from images import CAT, bad_images, good_images
+from perf.samples import sample_jpegs
 from support import reference_model
-from images import CAT, bad_images, encode, good_images
 
 TRANSFORM = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
 CPU = torch.device("cpu")
 # Tensor path vs PIL path in normalized units (one uint8 level is 1/255/std ~= 0.0175). Measured on
-# the JPEGs below with torchvision's CPU decoder: max 0.0175, mean 0.0015-0.0032 (both paths round the
+# perf.samples' JPEGs with torchvision's CPU decoder: max 0.0175, mean 0.0015-0.0032 (both paths round the
 # resized image to uint8 and differ by one level where their resizers round differently). nvJPEG's
 # IDCT is not bit-exact with libjpeg-turbo: on the H100, nvJPEG vs PIL measured max 0.157, mean
 # 0.0016-0.0069 on the same JPEGs (perf/results/gpu-preprocess-parity.json), top-1 unchanged.
@@ -21,21 +22,13 @@ MAX_ABS_DIFF, MEAN_ABS_DIFF = 0.02, 0.005
 GPU_MAX_ABS_DIFF, GPU_MEAN_ABS_DIFF = 0.25, 0.02
 
 
-def _jpegs() -> dict[str, bytes]:
-    photo = Image.open(CAT).convert("RGB")
-    big = photo.resize((1600, 1064))
-    return {"cat": CAT.read_bytes(), "gray": encode(photo.convert("L"), "JPEG", quality=90),
-            "progressive": encode(photo, "JPEG", quality=85, progressive=True),
-            "large": encode(big, "JPEG", quality=90), "odd-size": encode(photo.crop((0, 0, 301, 199)), "JPEG")}
-
-
 def _pil_reference(data: bytes) -> torch.Tensor:
     return TRANSFORM(decode(data))
 
 
-@pytest.mark.parametrize("name", list(_jpegs()))
+@pytest.mark.parametrize("name", list(sample_jpegs()))
 def test_tensor_path_matches_pil_path_when_jpeg_is_plain(name):
-    data = _jpegs()[name]
+    data = sample_jpegs()[name]
     pre = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
     assert pre.route(data) == "tensor"
     (tensor,) = pre([data])
@@ -47,7 +40,7 @@ def test_tensor_path_matches_pil_path_when_jpeg_is_plain(name):
 
 def test_tensor_path_keeps_top1_when_compared_with_pil_on_every_jpeg():
     model = reference_model("resnet18")
-    jpegs = list(_jpegs().values())
+    jpegs = list(sample_jpegs().values())
     pre = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
     with torch.inference_mode():
         fast = model(torch.stack(pre(jpegs))).argmax(1)
@@ -113,7 +106,7 @@ def test_bad_element_gets_its_error_and_neighbours_their_images_when_mixed(kind)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: nvJPEG needs one (CI has none)")
 def test_gpu_decode_matches_cpu_tensor_path_when_device_is_cuda():
     device = torch.device("cuda", 0)
-    jpegs = list(_jpegs().values()) + [good_images()["webp"]]
+    jpegs = list(sample_jpegs().values()) + [good_images()["webp"]]
     on_gpu = Preprocessor(TRANSFORM, device, tensor_decode=True)(jpegs)
     on_cpu = Preprocessor(TRANSFORM, CPU, tensor_decode=True)(jpegs)
     for gpu, cpu in zip(on_gpu, on_cpu):

@@ -1,0 +1,243 @@
+"""perf.gpu_diagnose's served steps: a GPU output tensor alone, the JPEG image path, the python backend's ceiling.
+
+Every tritonserver here logs to OUTDIR/<label>.tritonserver.log (its stubs' stderr included) and is
+stopped through its own object.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from common.contract import IMAGE, IMAGE_BYTES, LOGITS
+from common.modelconfig import read_config, to_text
+from perf import libcuda
+from perf.gpu_steps import Context, StepFailed, first_line
+from perf.samples import CAT
+
+ECHO = Path(__file__).with_name("echo_model.py")
+# A stub killed by a fatal signal then writes its Python stack into tritonserver's log. The stub's Python is
+# isolated and ignores the variable itself: the backends and the echo model read it (honor_faulthandler).
+SERVER_ENV = {"PYTHONFAULTHANDLER": "1"}
+# Lines of a server log worth reading first when a stub dies, its Python stack included (faulthandler's
+# "File ..." lines); NVML and DCGM complain on every machine without a GPU and say nothing here.
+_NOTABLE = re.compile(r"Stub process|not healthy|Fatal Python|Segmentation|Signal \(\d+\)|terminate called|"
+                      r"libcuda|CUDA error|Traceback|Error:|^\s+File \"|^(Current thread|Thread) 0x", re.IGNORECASE)
+_HARMLESS = ("NVML", "DCGM")
+MODEL = "resnet18"  # the cheapest classifier: these steps ask whether a path works, not how fast
+
+
+def write_echo(repo: Path, name: str, kind: str, output_device: str = "cpu", max_batch: int = 64) -> None:
+    """perf/echo_model.py as a model: IMAGE [3, 224, 224] -> LOGITS [1000], a classifier's shapes."""
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    config = mc.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
+    config.input.add(name=IMAGE, data_type=mc.TYPE_FP32, dims=[3, 224, 224])
+    config.output.add(name=LOGITS, data_type=mc.TYPE_FP32, dims=[1000])
+    config.dynamic_batching.SetInParent()
+    config.instance_group.add(kind=mc.ModelInstanceGroup.Kind.Value(kind), count=1)
+    config.parameters["output_device"].string_value = output_device
+    (repo / name / "1").mkdir(parents=True)
+    shutil.copy(ECHO, repo / name / "1" / "model.py")
+    (repo / name / "config.pbtxt").write_text(to_text(config))
+
+
+@contextmanager
+def served(ctx: Context, repo: Path, label: str, env: dict | None = None, extra_args=()):
+    """A ready tritonserver for `repo` on free local ports, logging to OUTDIR/<label>.tritonserver.log."""
+    from server.triton import TritonServer
+
+    server = TritonServer.local(repo, log_file=ctx.out / f"{label}.tritonserver.log",
+                                env={**SERVER_ENV, **(env or {})}, extra_args=extra_args)
+    try:
+        yield server.start(timeout=ctx.left())
+    finally:
+        server.stop()
+
+
+def health(server, models: list[str]) -> dict:
+    """After the requests: is each model still ready, did a stub die, what did the log say about it."""
+    time.sleep(1)  # a stub that crashed on the request takes a moment to be seen dead
+    lines = server.log_file.read_text(errors="replace").splitlines()
+    return {"server_ready": server.ready(), "models_ready": {m: server.model_ready(m) for m in models},
+            "dead_stubs": [stub.instance for stub in server.stubs() if not stub.alive],
+            "log_notable": [line[:300] for line in lines
+                            if _NOTABLE.search(line) and not any(h in line for h in _HARMLESS)][-40:]}
+
+
+def _infer(url: str, model: str, name: str, array: np.ndarray) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else "FP32")
+    tensor.set_data_from_numpy(array)
+    client = grpcclient.InferenceServerClient(url)
+    return client.infer(model, [tensor], client_timeout=60).as_numpy(LOGITS)
+
+
+def _verdict(result: dict, problems: list[str]) -> dict:
+    return {"status": "failed" if problems else "ok", "reason": "; ".join(problems), **result}
+
+
+def _echo_variant(ctx: Context, repo: Path, label: str, env: dict) -> dict:
+    images = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    result, models = {"log": f"{label}.tritonserver.log"}, ["echo_gpu_numpy", "echo_gpu_dlpack"]
+    try:
+        with served(ctx, repo, label, env, ["--log-verbose=1"]) as server:
+            for model in models:  # numpy first: a GPU instance alone, then one handing over a GPU tensor
+                try:
+                    echoed = _infer(server.grpc_url, model, IMAGE, images)
+                    result[model] = "ok" if np.array_equal(echoed, images.reshape(1, -1)[:, :1000]) else "wrong values"
+                except Exception as exc:
+                    result[model] = f"failed: {first_line(exc)}"
+            result.update(health(server, models))
+    except Exception as exc:
+        return _verdict(result, [f"tritonserver: {first_line(exc)}"])
+    return _verdict(result, [f"{m} {result[m]}" for m in models if result[m] != "ok"])
+
+
+def _link_env(ctx: Context) -> dict:
+    """LD_LIBRARY_PATH with a folder first where libcuda.so names this machine's libcuda.so.1."""
+    folder = libcuda.unversioned_link_dir()
+    ctx.details["libcuda_link"] = f"libcuda.so -> {os.readlink(folder / 'libcuda.so')}"
+    return {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("LD_LIBRARY_PATH")]))}
+
+
+def gpu_output(ctx: Context) -> None:
+    """One request to an echo on a GPU instance answering with a torch CUDA tensor: as is, then with
+    libcuda.so resolvable (the lead: python_backend r24.10 dlopens that unversioned name unchecked)."""
+    repo = Path(tempfile.mkdtemp(prefix="diagnose-echo-")) / "repo"
+    write_echo(repo, "echo_gpu_numpy", "KIND_GPU", "cpu", max_batch=8)
+    write_echo(repo, "echo_gpu_dlpack", "KIND_GPU", "gpu", max_batch=8)
+    variants = ctx.details["variants"] = {}
+    try:
+        variants["as_is"] = _echo_variant(ctx, repo, "gpu_output-as_is", {})
+        try:
+            env = _link_env(ctx)
+        except OSError as exc:
+            variants["libcuda_link"] = {"status": "failed", "reason": f"no libcuda.so.1 to link: {exc}"}
+        else:
+            variants["libcuda_link"] = _echo_variant(ctx, repo, "gpu_output-libcuda_link", env)
+    finally:
+        shutil.rmtree(repo.parent, ignore_errors=True)
+    problems = [f"{name}: {v['reason']}" for name, v in variants.items() if v["status"] != "ok"]
+    if problems:
+        raise StepFailed(" | ".join(problems))
+
+
+def _reference(jpeg: bytes) -> np.ndarray:
+    """What the served logits should be: `--weights random --seed 0` in-process on the CPU, PIL preprocessing."""
+    import torch
+    import torchvision
+
+    from backends.decoding import decode
+
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(MODEL, weights=None).eval()
+    transform = torchvision.models.get_model_weights(MODEL).DEFAULT.transforms()
+    with torch.inference_mode():
+        return model(transform(decode(jpeg)).unsqueeze(0))[0].numpy()
+
+
+def _image_variant(ctx: Context, repo: Path, label: str, jpeg: bytes, expected: np.ndarray, env=None) -> dict:
+    result = {"log": f"{label}.tritonserver.log"}
+    request = np.array([[jpeg]], dtype=object)
+    models = [MODEL, f"{MODEL}_preprocess", f"{MODEL}_image"]
+    try:
+        with served(ctx, repo, label, env) as server:
+            try:
+                logits = _infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)[0]
+                result["top1"] = int(np.argmax(logits))
+                result["relative_error"] = float(np.abs(logits - expected).max() / np.abs(expected).max())
+                times = []
+                for _ in range(20):  # one client, one request at a time: the path's own latency
+                    begin = time.perf_counter()
+                    _infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)
+                    times.append(time.perf_counter() - begin)
+                result["latency_ms_p50"] = round(float(np.median(times)) * 1000, 2)
+            except Exception as exc:
+                result["error"] = first_line(exc)
+            result.update(health(server, models))
+    except Exception as exc:
+        result["error"] = f"tritonserver: {first_line(exc)}"
+    if "error" in result:
+        return _verdict(result, [result["error"]])
+    top1 = int(np.argmax(expected))
+    return _verdict(result, [] if result["top1"] == top1 else [f"top-1 {result['top1']}, in-process {top1}"])
+
+
+def _set_parameter(model_dir: Path, key: str, value: str) -> None:
+    config = read_config(model_dir)
+    config.parameters[key].string_value = value
+    (model_dir / "config.pbtxt").write_text(to_text(config))
+
+
+def image_path(ctx: Context) -> None:
+    """A JPEG to NAME_image over gRPC: CPU preprocess -> GPU classifier (the default), then --decode-device
+    gpu. If the GPU decode fails: again with a CPU output from the GPU preprocess, and with libcuda.so linked."""
+    from builder import cli as build_repo
+
+    jpeg, expected = CAT.read_bytes(), _reference(CAT.read_bytes())
+    ctx.details.update(jpeg=f"{CAT.name} ({len(jpeg)} bytes)", top1_in_process=int(np.argmax(expected)))
+    variants = ctx.details["variants"] = {}
+    work = Path(tempfile.mkdtemp(prefix="diagnose-image-"))
+    try:
+        for decode in ("cpu", "gpu"):
+            repo, name = work / f"decode_{decode}", f"decode_{decode}"
+            argv = ["--model", MODEL, "--weights", "random", "--seed", "0", "--kind", "gpu", "--max-batch-size", "8",
+                    "--instances", "1", "--decode-device", decode, "--output", str(repo)]
+            ctx.details[f"build_{decode}"] = "build-repo " + " ".join(argv[:-2])
+            if build_repo.main(argv) != 0:
+                variants[name] = {"status": "failed", "reason": "build-repo failed (its error is in image_path.log)"}
+                continue
+            variants[name] = _image_variant(ctx, repo, f"image_path-{name}", jpeg, expected)
+        repo = work / "decode_gpu"
+        if variants["decode_gpu"]["status"] == "failed" and repo.is_dir():
+            # Which part dies: nvJPEG on a GPU instance, or handing its GPU tensor over to the classifier.
+            _set_parameter(repo / f"{MODEL}_preprocess", "output_device", "cpu")
+            variants["decode_gpu_output_cpu"] = _image_variant(ctx, repo, "image_path-decode_gpu_output_cpu",
+                                                               jpeg, expected)
+            _set_parameter(repo / f"{MODEL}_preprocess", "output_device", "gpu")
+            try:
+                env = _link_env(ctx)
+            except OSError as exc:
+                variants["decode_gpu_libcuda_link"] = {"status": "failed", "reason": f"no libcuda.so.1: {exc}"}
+            else:
+                variants["decode_gpu_libcuda_link"] = _image_variant(ctx, repo, "image_path-decode_gpu_libcuda_link",
+                                                                     jpeg, expected, env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    problems = [f"{name}: {v['reason']}" for name, v in variants.items() if v["status"] != "ok"]
+    if problems:
+        raise StepFailed(" | ".join(problems))
+
+
+def python_backend_probe(ctx: Context) -> None:
+    """Served img/s of echo models (CPU and GPU instances) vs the classifier (fp16), same client: the
+    python backend's own ceiling on this machine."""
+    from builder import cli as build_repo
+    from perf.gpu_bench import run_load
+
+    work = Path(tempfile.mkdtemp(prefix="diagnose-probe-"))
+    repo = work / "repo"
+    try:
+        if build_repo.main(["--model", MODEL, "--weights", "random", "--kind", "gpu", "--precision", "fp16",
+                            "--output", str(repo)]) != 0:
+            raise StepFailed("build-repo failed (its error is in python_backend_probe.log)")
+        write_echo(repo, "echo_cpu", "KIND_CPU")
+        write_echo(repo, "echo_gpu", "KIND_GPU")
+        points = ctx.details["points"] = []
+        ctx.details["client"] = "perf.gpu_bench.run_load: 8 processes, gRPC, 1 image per request, system shm, 2 s"
+        with served(ctx, repo, "python_backend_probe") as server:
+            for model in ("echo_cpu", "echo_gpu", MODEL):
+                for concurrency in (1, 64):
+                    point = run_load(server.grpc_url, model, "tensor", {"shape": [1, 3, 224, 224]}, concurrency, 2.0, 8)
+                    points.append({"model": model, **{k: round(v, 3) if isinstance(v, float) else v
+                                                      for k, v in point.items()}})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,111 @@
+"""One step of perf.gpu_diagnose, run in this process: python -m perf.gpu_steps STEP OUTDIR [--timeout-s S].
+
+perf.gpu_diagnose starts this once per step, so that a step which crashes (a fault in CUDA) or hangs
+ends only itself. The outcome goes to OUTDIR/STEP.result.json for perf.gpu_diagnose to collect.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.cli import OneLineParser
+
+ROOT = Path(__file__).resolve().parent.parent
+# name -> (module, function, needs CUDA), in the order perf.gpu_diagnose runs them: what the next GPU
+# session must learn first (the stub crash) comes first; the python backend's ceiling is already known.
+STEPS = {
+    "environment": ("perf.gpu_checks", "environment", False),
+    "gpu_output": ("perf.gpu_served", "gpu_output", True),
+    "image_path": ("perf.gpu_served", "image_path", True),
+    "parity": ("perf.gpu_checks", "parity", True),
+    "gpu_tests": ("perf.gpu_checks", "gpu_tests", True),
+    "python_backend_probe": ("perf.gpu_served", "python_backend_probe", True),
+}
+
+
+class StepFailed(Exception):
+    """The step ran and found a fault; the message is the reason."""
+
+
+class StepSkipped(Exception):
+    """The step cannot run here; the message is the reason."""
+
+
+class TimeLimit(BaseException):
+    """SIGTERM from perf.gpu_diagnose: the step's time is up (a BaseException, so no step swallows it)."""
+
+
+@dataclass
+class Context:
+    """What a step gets: the folder for its logs, its deadline, and `details` to fill as it learns (kept
+    even when the step fails or is stopped halfway)."""
+
+    out: Path
+    deadline: float
+    details: dict = field(default_factory=dict)
+
+    def left(self) -> float:
+        return max(1.0, self.deadline - time.monotonic())
+
+
+def result_path(out: Path, step: str) -> Path:
+    return out / f"{step}.result.json"
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:500]
+
+
+def run(step: str, out: Path, timeout_s: float) -> dict:
+    """Run one step; whatever happens, an outcome: ok, failed with a reason, or skipped with a reason."""
+    module, function, _ = STEPS[step]
+    ctx = Context(out, time.monotonic() + timeout_s)
+    try:
+        getattr(importlib.import_module(module), function)(ctx)
+        outcome = {"status": "ok"}
+    except StepSkipped as exc:
+        outcome = {"status": "skipped", "reason": str(exc)}
+    except StepFailed as exc:
+        outcome = {"status": "failed", "reason": str(exc)}
+    except BaseException as exc:  # an unexpected error, or the time limit: this step's log gets the stack
+        traceback.print_exc()
+        outcome = {"status": "failed", "reason": f"{type(exc).__name__}: {first_line(exc)}"}
+    outcome["details"] = ctx.details
+    return outcome
+
+
+def _time_limit(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the cleanup
+    raise TimeLimit("stopped at the step's time limit (SIGTERM)")
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m perf.gpu_steps", description=__doc__)
+    p.add_argument("step", choices=list(STEPS), help="the step to run. Default: none (required).")
+    p.add_argument("outdir", type=Path, help="folder for STEP.result.json and the step's logs. Default: none "
+                                             "(required).")
+    p.add_argument("--timeout-s", type=float, default=240,
+                   help="the step's own deadline (server starts, requests); perf.gpu_diagnose also stops it "
+                        "then. Default: 240.")
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _time_limit)
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    outcome = run(args.step, args.outdir, args.timeout_s)
+    result_path(args.outdir, args.step).write_text(json.dumps(outcome, indent=2, default=str) + "\n")
+    print(f"{args.step}: {outcome['status']} {outcome.get('reason', '')}".rstrip(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
