@@ -42,15 +42,21 @@ class TritonPythonModel:
             # D2H, a served request on the H100 went from ~9 ms of overhead to ~1.5 ms (which of the
             # three mattered was not isolated).
             threads = 1
-        if threads > 0:
-            torch.set_num_threads(threads)
+        # OpenVINO runs its own threads; torch here only gathers the requests' rows.
+        torch_threads = 1 if self.engine_name == "openvino" and threads == 0 else threads
+        if torch_threads > 0:
+            torch.set_num_threads(torch_threads)
         self.runner = build_runner(Path(args["model_repository"]) / args["model_version"], params,
                                    self.device, max(max_batch, 1), self.sample_shape, threads)
         self.runner.warm_up()  # every bucket, before Triton reports the model READY
+        # What runs here, which may differ from where the repository was built (precision auto).
+        self.precision = getattr(self.runner.engine, "precision", params.get("precision", "fp32"))
+        self._info_family, self._info = engine_info(args["model_name"], self.engine_name, self.precision)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {params.get('torchvision_model') or params.get('model_class')} ({self.engine_name}, "
-            f"{params.get('precision', 'fp32')}) on {self.device}, buckets {self.runner.buckets or '-'}, "
-            f"cuda_graphs={self.runner.cuda_graphs}, {torch.get_num_threads()} threads, batched={self.batched}"
+            f"precision {self.precision} (asked: {params.get('precision', 'fp32')})) on {self.device}, "
+            f"buckets {self.runner.buckets or '-'}, cuda_graphs={self.runner.cuda_graphs}, "
+            f"{getattr(self.runner.engine, 'threads', torch.get_num_threads())} threads, batched={self.batched}"
         )
 
     def execute(self, requests):
@@ -69,6 +75,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.runner = None
+        self._info = self._info_family = None  # the metric before its family (python_backend's rule)
 
     def _input(self, request) -> torch.Tensor:
         tensor = pb_utils.get_input_tensor_by_name(request, IMAGE)
@@ -110,11 +117,14 @@ def build_runner(version_dir: Path, params: dict, device: torch.device, max_batc
     """The engine the config names, wrapped in the batch runner with the config's speed options."""
     engine_name = params.get("engine", "torch")
     precision = params.get("precision", "fp32")
+    if precision == "auto" and engine_name != "openvino":
+        precision = "fp32"  # auto: the engine's own choice, which is fp32 for every engine but OpenVINO
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = params.get("cudnn_benchmark", "1") == "1"
     # channels_last lets cuDNN / oneDNN pick their fastest convolution kernels (~15% on CPU, tensor-core
-    # layouts on GPU); onnxruntime wants plain NCHW and picks its own layouts.
-    channels_last = engine_name != "onnxruntime"
+    # layouts on GPU); onnxruntime and OpenVINO want plain NCHW and pick their own layouts.
+    graph_engine = engine_name not in ("onnxruntime", "openvino")
+    channels_last = graph_engine
     if engine_name == "onnxruntime" and precision != "fp32":
         raise RuntimeError(f"engine onnxruntime runs the fp32 export; precision {precision} needs engine torch")
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
@@ -122,8 +132,20 @@ def build_runner(version_dir: Path, params: dict, device: torch.device, max_batc
     if precision != "fp32" and isinstance(engine, torch.nn.Module):
         engine = engine.to(PRECISIONS[precision])
     buckets = parse_buckets(params.get("batch_buckets", ""), max_batch)
-    return BatchRunner(engine, device, sample_shape, precision, params.get("cuda_graphs", "0") == "1",
-                       buckets, channels_last, graph_ok=engine_name != "onnxruntime")
+    # OpenVINO takes fp32 rows and runs them in the precision it resolved (engine.precision).
+    runner_precision = precision if graph_engine else "fp32"
+    return BatchRunner(engine, device, sample_shape, runner_precision, params.get("cuda_graphs", "0") == "1",
+                       buckets, channels_last, graph_ok=graph_engine)
+
+
+def engine_info(model: str, engine: str, precision: str):
+    """classifier_engine_info{model, engine, precision} = 1 on Triton's metrics endpoint: what a client can
+    read of the precision resolved here (python_backend cannot change a config's parameters at load)."""
+    family = pb_utils.MetricFamily(name="classifier_engine_info", kind=pb_utils.MetricFamily.GAUGE,
+                                   description="The engine and precision a classifier's instance runs (value 1)")
+    metric = family.Metric(labels={"model": model, "engine": engine, "precision": precision})
+    metric.set(1)
+    return family, metric
 
 
 def _is_device_fault(exc: Exception) -> bool:

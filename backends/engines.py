@@ -1,10 +1,12 @@
-"""The engines a classifier's stub can run, each a callable batch -> logits: torch, torchscript, onnxruntime.
+"""The engines a classifier's stub can run, each a callable batch -> logits: torch, torchscript, onnxruntime,
+openvino.
 
 build-repo copies this file beside the classifier's model.py; perf.bench imports it to time the very
 same engine in-process.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -18,18 +20,22 @@ except ImportError:
     from common.contract import IMAGE, LOGITS
     from common.model_code import import_model_class
 
-ENGINE_FILES = {"torch": "weights.pt", "torchscript": "model.pt", "onnxruntime": "model.onnx"}
+ENGINE_FILES = {"torch": "weights.pt", "torchscript": "model.pt", "onnxruntime": "model.onnx", "openvino": "model.onnx"}
+# OpenVINO's names for the precisions build-repo records; "auto" leaves the choice to OpenVINO (bf16 where
+# the CPU has AMX or AVX512-BF16, f32 elsewhere).
+OPENVINO_PRECISIONS = {"auto": None, "fp32": "f32", "bf16": "bf16"}
 
 
 def load_engine(version_dir: Path, params: dict, device: torch.device, memory_format, threads: int):
-    """A callable batch -> logits for the configured engine: torch, torchscript or onnxruntime."""
+    """A callable batch -> logits for the configured engine: torch, torchscript, onnxruntime or openvino."""
     engine = params.get("engine", "torch")
-    files = {"torch": params.get("weights_file", "weights.pt"), "torchscript": "model.pt",
-             "onnxruntime": "model.onnx"}
+    files = {**ENGINE_FILES, "torch": params.get("weights_file", "weights.pt")}
     if engine not in files:
-        raise RuntimeError(f"unknown engine {engine!r}: choose torch, torchscript or onnxruntime")
+        raise RuntimeError(f"unknown engine {engine!r}: choose {', '.join(files)}")
     path = version_dir / files[engine]
     try:
+        if engine == "openvino":
+            return OpenVino(path, threads, params.get("precision", "auto"))
         if engine == "torchscript":
             return torch.jit.load(str(path), map_location=device).eval()
         if engine == "onnxruntime":
@@ -86,3 +92,41 @@ class _OnnxRuntime:
         torch.cuda.current_stream(self.device).synchronize()  # the batch is complete before ORT reads it
         self.session.run_with_iobinding(binding)
         return logits
+
+
+class OpenVino:
+    """OpenVINO's CPU runtime behind the same call as a torch module; `precision` is what it actually runs."""
+
+    def __init__(self, path: Path, threads: int = 0, precision: str = "auto"):
+        import openvino as ov
+
+        if precision not in OPENVINO_PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one OpenVINO runs here: "
+                             f"choose {', '.join(OPENVINO_PRECISIONS)}")
+        core = ov.Core()
+        capabilities = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+        if precision == "bf16" and "BF16" not in capabilities:
+            raise ValueError(f"precision bf16 needs a CPU with AMX or AVX512-BF16; this one offers "
+                             f"{', '.join(capabilities)}: use precision auto or fp32")
+        # One stream: Triton's dynamic batcher already hands over whole batches, one at a time per
+        # instance; more streams would split the cores between batches that never come.
+        config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1",
+                  "INFERENCE_NUM_THREADS": str(threads or default_threads())}
+        if OPENVINO_PRECISIONS[precision]:
+            config["INFERENCE_PRECISION_HINT"] = OPENVINO_PRECISIONS[precision]
+        self.compiled = core.compile_model(str(path), "CPU", config)
+        self.request = self.compiled.create_infer_request()
+        resolved = self.compiled.get_property("INFERENCE_PRECISION_HINT")
+        self.precision = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}.get(str(resolved.get_type_name()),
+                                                                        str(resolved))
+        self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
+
+    def __call__(self, batch: torch.Tensor) -> torch.Tensor:
+        result = self.request.infer({0: batch.contiguous().numpy()})
+        return torch.from_numpy(result[self.compiled.output(0)].copy())
+
+
+def default_threads() -> int:
+    """Every core on a small machine; one left for Triton's own threads and the stub's I/O from 4 cores on."""
+    cores = len(os.sched_getaffinity(0))
+    return cores - 1 if cores >= 4 else cores

@@ -108,9 +108,11 @@ def parser() -> argparse.ArgumentParser:
                    help=f"model instances (stub processes). Default: {cpu.instances} (cpu), {gpu.instances} (gpu).")
     p.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
                    help="instance kind; auto: gpu if torch sees CUDA here, else cpu. Default: auto.")
-    p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32",
-                   help="weights and activations on a GPU instance (fp32 convolutions use TF32 tensor cores, "
-                        "torch's default); CPU instances run fp32. Default: fp32.")
+    p.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16"),
+                   help="weights and activations. GPU (engine torch/torchscript): fp32 (convolutions on TF32 "
+                        "tensor cores), fp16, bf16. CPU, engine openvino: auto (OpenVINO's choice where the model "
+                        "is served: bf16 on CPUs with AMX or AVX512-BF16, fp32 elsewhere), fp32, bf16; other CPU "
+                        "engines: fp32. Default: auto (openvino), else fp32.")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per batch bucket at load time (engine torch/torchscript). "
                         "Default: on for gpu.")
@@ -124,13 +126,14 @@ def parser() -> argparse.ArgumentParser:
                         "and hands IMAGE over in GPU memory. EXPERIMENTAL: in our one served H100 run its stub "
                         "died (README, GPU). cpu: decode on CPU instances. Default: cpu.")
     p.add_argument("--num-threads", type=_non_negative, default=0,
-                   help="torch threads per CPU instance; 0 keeps torch's default. Default: 0.")
+                   help="engine threads per CPU instance; 0: the engine's default (openvino: every core, one "
+                        "left for Triton from 4 cores on). Default: 0.")
     p.add_argument("--formats", type=_formats, default=("python",),
                    help="comma list of python,onnx,torchscript: onnx/torchscript add NAME_onnx and "
                         "NAME_torchscript for the NGC container's native backends. Default: python.")
     p.add_argument("--engine", choices=("auto", *ENGINES), default="auto",
-                   help="what the python backend runs; auto: onnxruntime on CPU (fastest here, see README), "
-                        "torch on GPU. Default: auto.")
+                   help="what the python backend runs; auto: openvino on CPU (the fastest measured on every CPU "
+                        "we served on, see README), torch on GPU. Default: auto.")
     p.add_argument("--verify", action="store_true",
                    help="run every export in-process against eager torch; fail above 1e-4. Default: off.")
     p.add_argument("--force", action="store_true", help="replace existing model directories. Default: off.")

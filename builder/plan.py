@@ -118,12 +118,9 @@ def _explicit(overrides: dict, archive: Archive | None) -> Preprocessing:
 def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     """The flags, each unset one taken from the archive's model-config.yaml, else the kind's default."""
     gpu, default = kind == cfg.InstanceKind.GPU, cfg.DEFAULTS[kind]
-    engine = args.engine if args.engine != "auto" else ("torch" if gpu else "onnxruntime")
-    if args.precision != "fp32" and not gpu:
-        raise cfg.ConfigError(f"--precision {args.precision} needs --kind gpu; CPU instances run fp32")
-    if args.precision != "fp32" and engine == "onnxruntime":
-        raise cfg.ConfigError(f"--precision {args.precision} needs --engine torch or torchscript "
-                              "(onnxruntime runs the fp32 export)")
+    engine = args.engine if args.engine != "auto" else ("torch" if gpu else "openvino")
+    precision = args.precision or ("auto" if engine == "openvino" else "fp32")
+    _check_precision(precision, engine, gpu)
     max_batch = _first_set(args.max_batch_size, archive and archive.batch_size, default.max_batch_size)
     buckets = tuple(buckets_for(max_batch)) if max_batch and gpu else ()
     if args.batch_buckets:
@@ -149,9 +146,27 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     instances = args.instances or (archive.workers if archive is not None and archive.workers else None)
     return Options(batching=cfg.Batching(max_batch, delay if max_batch else 0, tuple(preferred), queue),
                    kind=kind, instances=instances or default.instances, num_threads=args.num_threads,
-                   engine=engine, formats=args.formats, verify=args.verify, precision=args.precision,
+                   engine=engine, formats=args.formats, verify=args.verify, precision=precision,
                    cuda_graphs=bool(graphs and gpu), cudnn_benchmark=args.cudnn_benchmark, buckets=buckets,
                    decode_device=args.decode_device)
+
+
+def _check_precision(precision: str, engine: str, gpu: bool) -> None:
+    """Which engine runs which precision where; a precision the serving CPU lacks is refused at load."""
+    if engine == "openvino":
+        if gpu:
+            raise cfg.ConfigError("--engine openvino runs on CPU instances: use --kind cpu")
+        if precision not in ("auto", "fp32", "bf16"):
+            raise cfg.ConfigError(f"--precision {precision} is not one OpenVINO runs here: auto, fp32 or bf16")
+        return
+    if precision == "auto":
+        raise cfg.ConfigError(f"--precision auto needs --engine openvino (engine {engine} runs what it is told)")
+    if precision != "fp32" and not gpu:
+        raise cfg.ConfigError(f"--precision {precision} needs --kind gpu or --engine openvino; "
+                              f"CPU engine {engine} runs fp32")
+    if precision != "fp32" and engine == "onnxruntime":
+        raise cfg.ConfigError(f"--precision {precision} needs --engine torch or torchscript "
+                              "(onnxruntime runs the fp32 export)")
 
 
 def _first_set(*values):

@@ -27,9 +27,9 @@ CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "ba
 PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "backends/decoding.py",
                     "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
                     "transforms.py": "common/transforms.py"}
-ENGINES = ("torch", "torchscript", "onnxruntime")
+ENGINES = ("torch", "torchscript", "onnxruntime", "openvino")
 CODE_DIR = "model_code"  # the user's model file in the version folder (engine torch)
-ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx"}  # engine -> export it runs
+ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx", "openvino": "onnx"}  # engine -> its export
 
 
 class BuildError(RuntimeError):

@@ -12,11 +12,12 @@ work=$(mktemp -d)
 repo=$work/model_repository
 name=triton-classifier-test-$$
 trap 'docker rm -f "$name" >/dev/null 2>&1 || true; rm -rf "$work"' EXIT
-# The two models of tests/conftest.py's `repository` fixture (same seed, so the same weights).
+# The two models of tests/conftest.py's `repository` fixture (same seed, so the same weights; fp32,
+# so that served rows compare with eager torch within 1e-4).
 .venv/bin/build-repo --model resnet18 --weights random --seed 0 --output "$repo" --kind "$kind" \
-  --max-batch-size 8 --max-queue-delay-us 2000
+  --precision fp32 --max-batch-size 8 --max-queue-delay-us 2000
 .venv/bin/build-repo --model resnet152 --weights random --seed 0 --output "$repo" --kind "$kind" \
-  --max-batch-size 8
+  --precision fp32 --max-batch-size 8
 docker build -t triton-classifier -f docker/Dockerfile .
 docker/run.sh "$repo" -d --name "$name" >/dev/null
 # Keep the log outside the container: run.sh uses --rm, so a server that dies takes its log with it.

@@ -46,7 +46,7 @@ def test_build_repo_writes_backend_weights_and_labels_when_building(built):
     assert all(torch.equal(state[k], expected[k]) for k in expected)
     # The classifier, its preprocess model and the image ensemble; nothing else in or beside the repository.
     assert sorted(p.name for p in built.iterdir()) == [SMALL, f"{SMALL}_image", f"{SMALL}_preprocess"]
-    assert (model_dir / "1" / "model.onnx").is_file()  # engine auto on CPU: onnxruntime
+    assert (model_dir / "1" / "model.onnx").is_file()  # engine auto on CPU: openvino, over the ONNX export
     assert sorted(p.name for p in built.parent.iterdir()) == ["T"]
 
 

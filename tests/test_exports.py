@@ -80,7 +80,7 @@ def test_each_engine_serves_eager_logits_when_selected_by_config_parameter(expor
     server = start_server(repo, model_control="explicit")
     client = httpclient.InferenceServerClient(server.http_url)
     base = client.get_model_config(SMALL)
-    for engine in ("torch", "torchscript", "onnxruntime"):
+    for engine in ("torch", "torchscript", "onnxruntime", "openvino"):  # fp32 (support.build)
         config = dict(base, parameters={**base["parameters"], "engine": {"string_value": engine}})
         client.load_model(SMALL, config=json.dumps(config))
         served_engine = client.get_model_config(SMALL)["parameters"]["engine"]["string_value"]

@@ -70,7 +70,7 @@ def test_serve_repo_shows_tritons_reason_when_a_model_fails_to_load(repository, 
     finally:
         server.stop()  # were it to start anyway, leave no server behind
     message = str(failure.value)
-    assert f"resnet18: Internal: RuntimeError: cannot load the onnxruntime engine from {repo}" in message
+    assert f"resnet18: Internal: RuntimeError: cannot load the openvino engine from {repo}" in message
     assert "model.onnx" in message
 
 
