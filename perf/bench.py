@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repository", type=Path, default=None,
                    help="with --url: the served repository, to run the same engine in-process. "
                         "Default: a temporary one the bench builds.")
-    p.add_argument("--engines", nargs="+", choices=("torch", "torchscript", "onnxruntime"), default=None,
+    p.add_argument("--engines", nargs="+", choices=("torch", "torchscript", "onnxruntime", "openvino"), default=None,
                    help="backend engines to compare on one server. Default: the one build-repo picks.")
     p.add_argument("--concurrency", type=int, nargs="+", default=None,
                    help="clients in flight. Default: 1 2 4 8 16 32 (1 4 8 with --quick).")
@@ -67,7 +67,8 @@ class InProcess:
 
         config = read_config(model_dir)
         params = {k: v.string_value for k, v in config.parameters.items()}
-        self.memory_format = torch.contiguous_format if engine == "onnxruntime" else torch.channels_last
+        plain = engine in ("onnxruntime", "openvino")  # NCHW engines; torch runs channels_last
+        self.memory_format = torch.contiguous_format if plain else torch.channels_last
         self.run = load_engine(model_dir / "1", {**params, "engine": engine}, torch.device("cpu"),
                                 self.memory_format, 0)
         self.side = int(config.input[0].dims[-1])
@@ -101,7 +102,7 @@ def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:
     module = load_engine(model_dir / "1", {**params, "engine": "torch"}, torch.device("cpu"),
                           torch.contiguous_format, 0)
     side = int(read_config(model_dir).input[0].dims[-1])
-    if "onnxruntime" in engines and not (model_dir / "1" / "model.onnx").exists():
+    if {"onnxruntime", "openvino"} & set(engines) and not (model_dir / "1" / "model.onnx").exists():
         export.export_onnx(module, model_dir / "1" / "model.onnx", side)
     if "torchscript" in engines and not (model_dir / "1" / "model.pt").exists():
         export.export_torchscript(module, model_dir / "1" / "model.pt", side)
@@ -213,8 +214,26 @@ def machine() -> dict:
     import tritonclient
 
     return {"device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
-            "cpus": __import__("os").cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_model": _cpuinfo("model name"), "isa": _isa(), "cpus": __import__("os").cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
             "tritonclient": getattr(tritonclient, "__version__", "?"), "platform": platform.platform()}
+
+
+# The CPU features that decide which engine and precision are fastest (README, engines).
+ISA_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
+
+
+def _cpuinfo(field: str) -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "?"
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == field), "?")
+
+
+def _isa() -> list[str]:
+    flags = set(_cpuinfo("flags").split())
+    return [flag for flag in ISA_FLAGS if flag in flags]
 
 
 def main(argv: list[str] | None = None) -> int:

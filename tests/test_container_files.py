@@ -255,7 +255,7 @@ def test_dockerfile_installs_the_requirements_file_when_built():
 
 def test_container_requirements_are_exact_pins_when_read():
     pins, options = _pins()
-    assert set(pins) == {"torch", "torchvision", "onnxruntime-gpu", "numpy", "pillow"}
+    assert set(pins) == {"torch", "torchvision", "onnxruntime-gpu", "openvino", "numpy", "pillow"}
     assert all(option.startswith("--extra-index-url https://download.pytorch.org/whl/") for option in options)
 
 
