@@ -91,8 +91,9 @@ def quantize_int8(onnx_path: Path, out_path: Path, batches: Iterable[np.ndarray]
 
     uint8 activations by default: x86's int8 dot products (VNNI's vpdpbusd) multiply unsigned by signed
     bytes, so int8 activations need a shift where VNNI is absent. With VNNI (AMD EPYC, AVX-512) int8
-    activations ran ResNet-152 as fast (12.2 / 14.5 img/s at batch 1 / 8 vs 12.8 / 13.8) and as close to
-    fp32 (EfficientNet-Lite0: worst probability difference 0.116 vs 0.120), so either is sound there.
+    activations ran ResNet-152 as fast under OpenVINO (29.9 / 30.1 img/s at batch 1 / 8 vs 28.8 / 31.6,
+    medians of 6 alternated runs) and as close to fp32 (EfficientNet-Lite0: worst probability difference
+    0.116 vs 0.120), so either is sound there.
 
     QDQ keeps the graph an ordinary ONNX model with QuantizeLinear/DequantizeLinear pairs; OpenVINO folds
     them into int8 kernels (VNNI/AMX), onnxruntime runs them too. MinMax over the same batches gives the
