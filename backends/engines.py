@@ -23,7 +23,9 @@ except ImportError:
 ENGINE_FILES = {"torch": "weights.pt", "torchscript": "model.pt", "onnxruntime": "model.onnx", "openvino": "model.onnx"}
 # OpenVINO's names for the precisions build-repo records; "auto" leaves the choice to OpenVINO (bf16 where
 # the CPU has AMX or AVX512-BF16, f32 elsewhere).
-OPENVINO_PRECISIONS = {"auto": None, "fp32": "f32", "bf16": "bf16"}
+# int8: the QDQ model build-repo quantized (model_int8.onnx); its other layers run in OpenVINO's choice.
+OPENVINO_PRECISIONS = {"auto": None, "fp32": "f32", "bf16": "bf16", "int8": None}
+INT8_FILE = "model_int8.onnx"
 
 
 def load_engine(version_dir: Path, params: dict, device: torch.device, memory_format, threads: int):
@@ -35,7 +37,8 @@ def load_engine(version_dir: Path, params: dict, device: torch.device, memory_fo
     path = version_dir / files[engine]
     try:
         if engine == "openvino":
-            return OpenVino(path, threads, params.get("precision", "auto"))
+            precision = params.get("precision", "auto")
+            return OpenVino(version_dir / INT8_FILE if precision == "int8" else path, threads, precision)
         if engine == "torchscript":
             return torch.jit.load(str(path), map_location=device).eval()
         if engine == "onnxruntime":
@@ -117,8 +120,8 @@ class OpenVino:
         self.compiled = core.compile_model(str(path), "CPU", config)
         self.request = self.compiled.create_infer_request()
         resolved = self.compiled.get_property("INFERENCE_PRECISION_HINT")
-        self.precision = {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}.get(str(resolved.get_type_name()),
-                                                                        str(resolved))
+        self.precision = "int8" if precision == "int8" else \
+            {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}.get(str(resolved.get_type_name()), str(resolved))
         self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:

@@ -108,11 +108,15 @@ def parser() -> argparse.ArgumentParser:
                    help=f"model instances (stub processes). Default: {cpu.instances} (cpu), {gpu.instances} (gpu).")
     p.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
                    help="instance kind; auto: gpu if torch sees CUDA here, else cpu. Default: auto.")
-    p.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16"),
+    p.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"),
                    help="weights and activations. GPU (engine torch/torchscript): fp32 (convolutions on TF32 "
                         "tensor cores), fp16, bf16. CPU, engine openvino: auto (OpenVINO's choice where the model "
                         "is served: bf16 on CPUs with AMX or AVX512-BF16, fp32 elsewhere), fp32, bf16; other CPU "
-                        "engines: fp32. Default: auto (openvino), else fp32.")
+                        "engines: fp32. int8 (engine openvino): the ONNX export quantized at build time, calibrated on "
+                        "--calibration DIR, checked against fp32 on those images. Default: auto (openvino), else fp32.")
+    p.add_argument("--calibration", type=Path, metavar="DIR",
+                   help="images (jpg/png/webp, up to 64) that set int8's activation ranges and check its accuracy; "
+                        "use photos like the ones you will serve. Required with --precision int8. Default: none.")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture one CUDA graph per batch bucket at load time (engine torch/torchscript). "
                         "Default: on for gpu.")

@@ -53,6 +53,14 @@ def export_torchscript(model: torch.nn.Module, path: Path, side: int) -> Path:
     return path
 
 
+def run_openvino(path: Path, batch: np.ndarray) -> np.ndarray:
+    """The model as the openvino engine runs it (OpenVINO's own precision choice for this CPU)."""
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(str(path), "CPU")
+    return compiled([batch])[compiled.output(0)]
+
+
 def run_onnx(path: Path, batch: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 

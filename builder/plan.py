@@ -121,6 +121,11 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     engine = args.engine if args.engine != "auto" else ("torch" if gpu else "openvino")
     precision = args.precision or ("auto" if engine == "openvino" else "fp32")
     _check_precision(precision, engine, gpu)
+    if (precision == "int8") != (args.calibration is not None):
+        raise cfg.ConfigError("--precision int8 needs --calibration DIR (images like the ones you will serve)"
+                              if precision == "int8" else "--calibration goes with --precision int8")
+    if args.calibration is not None and not args.calibration.is_dir():
+        raise cfg.ConfigError(f"--calibration {str(args.calibration)!r} is not a folder")
     max_batch = _first_set(args.max_batch_size, archive and archive.batch_size, default.max_batch_size)
     buckets = tuple(buckets_for(max_batch)) if max_batch and gpu else ()
     if args.batch_buckets:
@@ -148,7 +153,7 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
                    kind=kind, instances=instances or default.instances, num_threads=args.num_threads,
                    engine=engine, formats=args.formats, verify=args.verify, precision=precision,
                    cuda_graphs=bool(graphs and gpu), cudnn_benchmark=args.cudnn_benchmark, buckets=buckets,
-                   decode_device=args.decode_device)
+                   decode_device=args.decode_device, calibration=args.calibration)
 
 
 def _check_precision(precision: str, engine: str, gpu: bool) -> None:
@@ -156,11 +161,11 @@ def _check_precision(precision: str, engine: str, gpu: bool) -> None:
     if engine == "openvino":
         if gpu:
             raise cfg.ConfigError("--engine openvino runs on CPU instances: use --kind cpu")
-        if precision not in ("auto", "fp32", "bf16"):
-            raise cfg.ConfigError(f"--precision {precision} is not one OpenVINO runs here: auto, fp32 or bf16")
+        if precision not in ("auto", "fp32", "bf16", "int8"):
+            raise cfg.ConfigError(f"--precision {precision} is not one OpenVINO runs here: auto, fp32, bf16 or int8")
         return
-    if precision == "auto":
-        raise cfg.ConfigError(f"--precision auto needs --engine openvino (engine {engine} runs what it is told)")
+    if precision in ("auto", "int8"):
+        raise cfg.ConfigError(f"--precision {precision} needs --engine openvino (on CPU instances)")
     if precision != "fp32" and not gpu:
         raise cfg.ConfigError(f"--precision {precision} needs --kind gpu or --engine openvino; "
                               f"CPU engine {engine} runs fp32")

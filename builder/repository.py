@@ -50,6 +50,7 @@ class Options:
     cudnn_benchmark: bool = True
     buckets: tuple[int, ...] = ()  # batch sizes a GPU instance pads to (and captures graphs for)
     decode_device: str = "cpu"  # gpu: NAME_preprocess on GPU instances decodes JPEGs there (experimental)
+    calibration: Path | None = None  # precision int8: the images that calibrate and check the quantized model
 
 
 def model_names(name: str, formats: tuple[str, ...]) -> list[str]:
@@ -121,8 +122,12 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
     try:
         with signals_deferred():
             artifacts = _export(classifier, staging / "exports", options)
+        if options.precision == "int8":
+            artifacts["onnx_int8"] = _int8(classifier, artifacts["onnx"], staging / "exports", options.calibration,
+                                           report)
         if options.verify:
-            errors = export.verify(classifier.module, artifacts, classifier.crop)
+            exact = {name: path for name, path in artifacts.items() if name in ("onnx", "torchscript")}
+            errors = export.verify(classifier.module, exact, classifier.crop)
             report(export.error_table(errors))
             bad = [name for name, error in errors.items() if error > export.TOLERANCE]
             if bad:
@@ -154,6 +159,30 @@ def _export(classifier: Classifier, folder: Path, options: Options) -> dict[str,
     return artifacts
 
 
+def _int8(c: Classifier, onnx_path: Path, folder: Path, calibration: Path, report) -> Path:
+    """The ONNX export quantized on the calibration images, then checked against fp32 the way it will run
+    (OpenVINO) on every 4th of them, held out of the calibration (all of them when there are fewer than 4);
+    a quantized model that fails builder.accuracy's gate is never written."""
+    from builder import accuracy, quantize
+
+    try:
+        files = quantize.calibration_files(calibration)
+        held = files[::4] if len(files) >= 4 else files
+        used = [path for path in files if path not in held] or files
+        images = [quantize.load_image(path) for path in used]
+        batches = [quantize.preprocess(images[i:i + quantize.BATCH_SIZE], c.preprocessing)
+                   for i in range(0, len(images), quantize.BATCH_SIZE)]
+        quantized = quantize.quantize_int8(onnx_path, folder / "model_int8.onnx", batches)
+        check = quantize.preprocess([quantize.load_image(path) for path in held], c.preprocessing)
+        result = accuracy.check(export.run_onnx(onnx_path, check), export.run_openvino(quantized, check),
+                                [path.name for path in held], label="int8")
+    except (quantize.QuantizeError, accuracy.AccuracyError) as exc:
+        raise BuildError(f"int8: {exc}; nothing was written") from None
+    report(f"int8: calibrated on {len(used)} images, checked on {len(held)} against fp32: same top-1 on all, "
+           f"largest probability difference {max(result['max_prob_diff']):.3f} (allowed {accuracy.MAX_PROB_DIFF:g})")
+    return quantized
+
+
 def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[str, Path]) -> None:
     side = c.crop
     labels = "\n".join(c.categories) + "\n"
@@ -172,6 +201,8 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     if options.engine in ENGINE_ARTIFACT:
         artifact = artifacts[ENGINE_ARTIFACT[options.engine]]
         shutil.copyfile(artifact, version / artifact.name)
+    if "onnx_int8" in artifacts:
+        shutil.copyfile(artifacts["onnx_int8"], version / artifacts["onnx_int8"].name)
     _config(staging / c.name, image, logits, cfg.Format.PYTHON, options, {
         # GPU tensors from the ensemble's preprocess step stay on the GPU (no round trip through the
         # host); HTTP/gRPC inputs still arrive in CPU memory and the runner stages them once per batch.

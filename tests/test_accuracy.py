@@ -175,3 +175,69 @@ def test_accuracy_compare_counts_per_image_when_answers_agree():
     result = accuracy.compare(reference, reference + 1e-6)
     assert result["top1_equal"] == [True] * 3 and result["top5_overlap"] == [5] * 3
     assert max(result["max_prob_diff"]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def effnet_files(tmp_path_factory) -> dict[str, Path]:
+    """EfficientNet-Lite0 as a user holds it for `build-repo --model-file`: its code and its real weights."""
+    import torch
+
+    from examples.migrate_torchserve import EFFICIENTNET_MODEL, efficientnet_state
+
+    folder = tmp_path_factory.mktemp("effnet-files")
+    (folder / "effnet.py").write_text(EFFICIENTNET_MODEL)
+    torch.save(efficientnet_state(), folder / "effnet.pth")
+    return {"model": folder / "effnet.py", "weights": folder / "effnet.pth"}
+
+
+def _build_int8(effnet_files, calibration: Path, output: Path) -> int:
+    from builder import cli as build_repo
+
+    return build_repo.main(["--model-file", str(effnet_files["model"]), "--weights", str(effnet_files["weights"]),
+                            "--preprocess", "imagenet", "--name", "effnet", "--output", str(output), "--kind", "cpu",
+                            "--precision", "int8", "--calibration", str(calibration)])
+
+
+def test_build_repo_serves_int8_with_fp32s_top1_when_calibrated_on_real_images(effnet_files, calibration_folder,
+                                                                                reference, tmp_path, start_server,
+                                                                                capsys):
+    import re
+    import urllib.request
+
+    import tritonclient.http as httpclient
+
+    assert _build_int8(effnet_files, calibration_folder, tmp_path / "repo") == 0
+    assert "checked on 10 against fp32: same top-1 on all" in capsys.readouterr().out
+    assert (tmp_path / "repo" / "effnet" / "1" / "model_int8.onnx").is_file()
+    server = start_server(tmp_path / "repo")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.ports['metrics']}/metrics", timeout=10).read().decode()
+    assert re.search(r'classifier_engine_info\{[^}]*precision="int8"[^}]*\} 1', metrics)
+    tensor = httpclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[CAT.read_bytes()]], dtype=object))
+    served = httpclient.InferenceServerClient(server.http_url).infer("effnet_image", [tensor]).as_numpy("LOGITS")
+    # fp32 itself nearly ties Egyptian cat (0.319) and tabby (0.311) on this photo: int8 must keep the three
+    # cat classes on top and every probability within the gate, not the order of a near-tie.
+    assert set(np.argsort(served[0])[-3:]) == {281, 282, 285}, np.argsort(served[0])[-3:]
+    assert accuracy.compare(reference[-1:], served)["max_prob_diff"][0] <= accuracy.MAX_PROB_DIFF
+
+
+def test_build_repo_refuses_int8_and_writes_nothing_when_the_held_out_photos_fail_the_gate(effnet_files, tmp_path,
+                                                                                          capsys):
+    """Calibrated on black frames only (every 4th file, held out, is a real photo): activation ranges that
+    fit nothing real, so the photos' answers change and the gate refuses the build."""
+    folder = tmp_path / "calibration"
+    folder.mkdir()
+    for i in range(8):
+        image = _sample("chelsea" if i % 4 == 0 else "camera")
+        (image if i % 4 == 0 else Image.new("RGB", image.size)).save(folder / f"{i:02d}.png")
+    assert _build_int8(effnet_files, folder, tmp_path / "repo") == 1
+    assert "build-repo: error: int8: int8 " in capsys.readouterr().err
+    assert not (tmp_path / "repo" / "effnet").exists()
+
+
+def test_accuracy_check_leaves_the_class_order_of_a_near_tie_alone_when_fp32_has_no_answer():
+    reference = np.zeros((1, 1000))
+    reference[0, :2] = [0.5, 0.4]  # fp32's top-1 holds ~0.002: no answer to keep
+    candidate = reference.copy()
+    candidate[0, :2] = [0.4, 0.5]
+    assert accuracy.check(reference, candidate, ["tie"])["top1_equal"] == [False]
