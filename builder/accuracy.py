@@ -1,4 +1,4 @@
-"""A reduced-precision model's answers against the fp32 reference, per image, and the gate build-repo --verify applies."""
+"""A reduced-precision model's answers against the fp32 reference, per image, and the gate an int8 build must pass."""
 from __future__ import annotations
 
 import numpy as np
