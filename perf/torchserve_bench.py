@@ -1,0 +1,216 @@
+"""TorchServe 0.12 serving ResNet-152 on this machine with its docs' batching: the baseline our figures face.
+
+Builds a .mar of torchvision ResNet-152 with the random weights `build-repo --model resnet152 --weights
+random --seed 0` serves (model file + state_dict, TorchServe's image_classifier handler, ImageNet names),
+registers it with batch_size 8 and max_batch_delay 50 ms (TorchServe's batch-inference docs), then
+N closed-loop clients POST the sample photo to /predictions/NAME per concurrency level.
+
+    python -m perf.torchserve_bench                      # c=1 and c=8, 20 s each
+    python -m perf.torchserve_bench --concurrency 1 4 8 16 --seconds 30 --out perf/results/ts.json
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from common.cli import OneLineParser
+from perf import torchserve
+from perf.loadgen import interval_rate
+
+SAMPLE = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
+# The ISA extensions that decide CPU inference speed (AMX and AVX-512 BF16/VNNI for low precision).
+ISA = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
+MODEL = "resnet152"
+
+
+def cpu() -> dict:
+    """The CPU as /proc/cpuinfo names it, the ISA flags above, and the cores this process may use."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    flag_set = set(flags.group(1).split()) if flags else set()
+    return {"model": name.group(1).strip() if name else platform.processor() or "unknown",
+            "isa": {flag: flag in flag_set for flag in ISA},
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+
+
+def cpu_slug(model: str) -> str:
+    """'Intel(R) Xeon(R) Platinum 8480+ CPU @ 2.00GHz' -> 'intel-xeon-platinum-8480', 'AMD EPYC' -> 'amd-epyc'."""
+    model = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$|\d+-core processor", " ", model.lower())
+    return re.sub(r"[^a-z0-9]+", "-", model).strip("-") or "cpu"
+
+
+def versions(java: str) -> dict:
+    import torch
+    import torchvision
+
+    java_line = subprocess.run([java, "-version"], capture_output=True, text=True).stderr.splitlines()
+    return {"torchserve": metadata.version("torchserve"), "torch-model-archiver": metadata.version("torch-model-archiver"),
+            "torch": torch.__version__, "torchvision": torchvision.__version__, "python": platform.python_version(),
+            "java": java_line[0] if java_line else "unknown", "platform": platform.platform()}
+
+
+def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int, bytes]:
+    conn.request("POST", path, body=body, headers={"Content-Type": "application/octet-stream"})
+    reply = conn.getresponse()
+    return reply.status, reply.read()
+
+
+def closed_loop(url: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
+    """`concurrency` clients, each sending its next request when its last one is answered."""
+    host = urlsplit(url)
+    path = f"/predictions/{model}"
+    completions: list[tuple[float, float, bool]] = []  # (done, latency, ok) inside the measured window
+    first_error: list[str] = []
+    first_answer: list = []
+    lock = threading.Lock()
+    gate = threading.Barrier(concurrency + 1)
+    timing: dict[str, float] = {}
+
+    def client() -> None:
+        # One keep-alive connection per client, as a real client pool holds; reopened after a failure.
+        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+        gate.wait()
+        while time.perf_counter() < timing["end"]:
+            sent = time.perf_counter()
+            try:
+                status, answer = post(conn, path, body)
+                ok = status == 200
+                error = "" if ok else f"HTTP {status}: {answer[:200].decode(errors='replace')}"
+            except (OSError, http.client.HTTPException) as exc:
+                ok, error = False, f"{type(exc).__name__}: {exc}"
+                conn.close()
+                conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+            done = time.perf_counter()
+            with lock:
+                if timing["measure"] <= done <= timing["end"]:
+                    completions.append((done, done - sent, ok))
+                if error and not first_error:
+                    first_error.append(error)
+                if ok and not first_answer:
+                    first_answer.append(answer)
+        conn.close()
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    load_before = os.getloadavg()[0]
+    begin = time.perf_counter()
+    timing.update(measure=begin + warmup, end=begin + warmup + seconds)
+    gate.wait()
+    for thread in threads:
+        thread.join()
+    good = [(done, latency) for done, latency, ok in completions if ok]
+    lat_ms = np.array([latency for _, latency in good]) * 1000 if good else np.array([np.nan])
+    return {"concurrency": concurrency, "seconds": seconds, "warmup_seconds": warmup, "requests": len(good),
+            "errors": len(completions) - len(good),
+            # The machine's 1-minute load average before and after: above its core count, something
+            # else (not this bench) was competing for the CPU during this level.
+            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+            "first_error": first_error[0] if first_error else None,
+            # Whole batch intervals only: a batched server answers 8 at once (see loadgen.interval_rate).
+            "img_per_s": _number(interval_rate([done for done, _ in good]), 3),
+            "img_per_s_window": round(len(good) / seconds, 3),
+            **{f"p{q}_ms": _number(np.percentile(lat_ms, q), 1) for q in (50, 95, 99)},
+            "sample_answer": json.loads(first_answer[0]) if first_answer else None}
+
+
+def _number(value, digits: int) -> float | None:
+    """Rounded, or None where nothing was measured (JSON has no NaN)."""
+    return None if np.isnan(value) else round(float(value), digits)
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m perf.torchserve_bench", description=__doc__)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="clients in flight, one level "
+                   "after another. Default: 1 8.")
+    p.add_argument("--seconds", type=float, default=20, help="measured seconds per level. Default: 20.")
+    p.add_argument("--warmup", type=float, default=5, help="seconds of load before each level's measurement. "
+                   "Default: 5.")
+    p.add_argument("--batch-size", type=int, default=8, help="TorchServe's batch_size. Default: 8 (the docs').")
+    p.add_argument("--max-batch-delay-ms", type=int, default=50, help="TorchServe's max_batch_delay. "
+                   "Default: 50 (the docs').")
+    p.add_argument("--workers", type=int, default=1, help="TorchServe workers for the model. Default: 1.")
+    p.add_argument("--image", type=Path, default=SAMPLE, help="JPEG each request sends. Default: "
+                   "clients/samples/chelsea.jpg.")
+    p.add_argument("--start-timeout", type=float, default=600, help="seconds to wait for a READY worker. "
+                   "Default: 600.")
+    p.add_argument("--out", type=Path, default=None, help="JSON to write. "
+                   "Default: perf/results/torchserve-resnet152-<cpu>.json.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if min(args.concurrency) < 1 or args.seconds <= 0 or args.workers < 1 or args.batch_size < 1:
+        print("perf.torchserve_bench: --concurrency, --seconds, --workers and --batch-size must be >= 1",
+              file=sys.stderr)
+        return 1
+    try:
+        commands = torchserve.executables()
+    except torchserve.TorchServeError as exc:
+        print(f"perf.torchserve_bench: {exc}", file=sys.stderr)
+        return 1
+    machine = cpu()
+    out = args.out or Path("perf/results") / f"torchserve-{MODEL}-{cpu_slug(machine['model'])}.json"
+    body = args.image.read_bytes()
+    command = " ".join(["python -m perf.torchserve_bench", *(sys.argv[1:] if argv is None else argv)])
+    result = {"command": command, "machine": {"cpu": machine, **versions(commands["java"])},
+              "model": {"name": MODEL, "weights": "random: torch.manual_seed(0), torchvision resnet152(weights=None)",
+                        "archive": "torch-model-archiver --model-file (ResNet subclass) --serialized-file "
+                                   "(state_dict) --handler image_classifier, index_to_name.json (ImageNet)"},
+              "settings": {"batch_size": args.batch_size, "max_batch_delay_ms": args.max_batch_delay_ms,
+                           "workers": args.workers, "image": f"{args.image.name} ({len(body)} bytes)",
+                           "clients": "closed loop, threads of this process on the same machine, "
+                                      "one keep-alive HTTP connection each"},
+              "levels": []}
+    try:
+        with tempfile.TemporaryDirectory(prefix="ts-bench-") as tmp:
+            folder = Path(tmp)
+            print(f"building {MODEL}.mar ...", file=sys.stderr)
+            archive = torchserve.resnet152_archive(folder / "model_store", MODEL, args.batch_size,
+                                                   args.max_batch_delay_ms, args.workers)
+            print("starting torchserve ...", file=sys.stderr)
+            with torchserve.started(folder, archive, args.workers, args.start_timeout) as server:
+                described = server.describe()
+                registered = {"batch_size": described.get("batchSize"),
+                              "max_batch_delay_ms": described.get("maxBatchDelay"),
+                              "workers": len(described.get("workers", []))}
+                result["registered"] = registered  # what TorchServe says it runs, not what we asked
+                if (registered["batch_size"], registered["max_batch_delay_ms"]) != (args.batch_size,
+                                                                                    args.max_batch_delay_ms):
+                    raise torchserve.TorchServeError(f"TorchServe registered {registered}, not the settings asked")
+                conn = http.client.HTTPConnection(urlsplit(server.inference_url).hostname,
+                                                  urlsplit(server.inference_url).port, timeout=300)
+                status, answer = post(conn, f"/predictions/{MODEL}", body)
+                conn.close()
+                result["sample_answer"] = json.loads(answer) if status == 200 else f"HTTP {status}"
+                for level in args.concurrency:
+                    point = closed_loop(server.inference_url, MODEL, body, level, args.seconds, args.warmup)
+                    print(f"c={level}: {point['img_per_s']} img/s, p50 {point['p50_ms']} ms, "
+                          f"p99 {point['p99_ms']} ms, errors {point['errors']}", file=sys.stderr)
+                    result["levels"].append(point)
+    except (torchserve.TorchServeError, OSError, subprocess.SubprocessError) as exc:
+        print("perf.torchserve_bench: " + " ".join(str(exc).split())[:600], file=sys.stderr)
+        return 1
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
