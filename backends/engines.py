@@ -119,6 +119,7 @@ class OpenVino:
             config["INFERENCE_PRECISION_HINT"] = OPENVINO_PRECISIONS[precision]
         self.compiled = core.compile_model(str(path), "CPU", config)
         self.request = self.compiled.create_infer_request()
+        self.output = self.compiled.output(0)
         resolved = self.compiled.get_property("INFERENCE_PRECISION_HINT")
         self.precision = "int8" if precision == "int8" else \
             {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}.get(str(resolved.get_type_name()), str(resolved))
@@ -126,7 +127,8 @@ class OpenVino:
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:
         result = self.request.infer({0: batch.contiguous().numpy()})
-        return torch.from_numpy(result[self.compiled.output(0)].copy())
+        # A copy: the request's output buffer is overwritten by the next batch.
+        return torch.from_numpy(result[self.output].copy())
 
 
 def default_threads() -> int:

@@ -59,8 +59,11 @@ def preprocess(images: Iterable, preprocessing: Preprocessing) -> np.ndarray:
 def calibration_batches(folder: Path, preprocessing: Preprocessing, batch_size: int = BATCH_SIZE,
                         limit: int = MAX_IMAGES) -> list[np.ndarray]:
     """Every image of `folder` (up to `limit`), preprocessed, in batches of `batch_size` (the last may be short)."""
-    files = calibration_files(folder, limit)
-    images = [load_image(path) for path in files]
+    return batched([load_image(path) for path in calibration_files(folder, limit)], preprocessing, batch_size)
+
+
+def batched(images: list, preprocessing: Preprocessing, batch_size: int = BATCH_SIZE) -> list[np.ndarray]:
+    """PIL images, preprocessed, in batches of `batch_size` (the last may be short)."""
     return [preprocess(images[i:i + batch_size], preprocessing) for i in range(0, len(images), batch_size)]
 
 

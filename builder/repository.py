@@ -169,9 +169,7 @@ def _int8(c: Classifier, onnx_path: Path, folder: Path, calibration: Path, repor
         files = quantize.calibration_files(calibration)
         held = files[::4] if len(files) >= 4 else files
         used = [path for path in files if path not in held] or files
-        images = [quantize.load_image(path) for path in used]
-        batches = [quantize.preprocess(images[i:i + quantize.BATCH_SIZE], c.preprocessing)
-                   for i in range(0, len(images), quantize.BATCH_SIZE)]
+        batches = quantize.batched([quantize.load_image(path) for path in used], c.preprocessing)
         quantized = quantize.quantize_int8(onnx_path, folder / "model_int8.onnx", batches)
         check = quantize.preprocess([quantize.load_image(path) for path in held], c.preprocessing)
         result = accuracy.check(export.run_onnx(onnx_path, check), export.run_openvino(quantized, check),

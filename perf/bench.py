@@ -63,10 +63,10 @@ class InProcess:
         import torch
 
         from backends.engines import load_engine
-        from common.modelconfig import read_config
+        from common.modelconfig import parameters, read_config
 
         config = read_config(model_dir)
-        params = {k: v.string_value for k, v in config.parameters.items()}
+        params = parameters(config)
         plain = engine in ("onnxruntime", "openvino")  # NCHW engines; torch runs channels_last
         self.memory_format = torch.contiguous_format if plain else torch.channels_last
         self.run = load_engine(model_dir / "1", {**params, "engine": engine}, torch.device("cpu"),
@@ -96,9 +96,9 @@ def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:
 
     from backends.engines import load_engine
     from builder import export
-    from common.modelconfig import read_config
+    from common.modelconfig import parameters, read_config
 
-    params = {k: v.string_value for k, v in read_config(model_dir).parameters.items()}
+    params = parameters(read_config(model_dir))
     module = load_engine(model_dir / "1", {**params, "engine": "torch"}, torch.device("cpu"),
                           torch.contiguous_format, 0)
     side = int(read_config(model_dir).input[0].dims[-1])
@@ -288,10 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _served_engine(model_dir: Path) -> str:
-    from common.modelconfig import read_config
+    from common.modelconfig import parameters, read_config
 
-    parameters = read_config(model_dir).parameters
-    return parameters["engine"].string_value if "engine" in parameters else "torch"
+    return parameters(read_config(model_dir)).get("engine", "torch")
 
 
 if __name__ == "__main__":

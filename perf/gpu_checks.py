@@ -9,9 +9,8 @@ import sys
 import sysconfig
 from importlib import metadata
 
-from common.procs import run_bounded
 from perf import libcuda
-from perf.gpu_steps import ROOT, Context, StepFailed
+from perf.gpu_steps import ROOT, Context, StepFailed, run_bounded
 
 PACKAGES = ("nvidia-pytriton", "tritonclient", "grpcio", "protobuf", "numpy", "pillow", "onnxruntime",
             "onnxruntime-gpu", "geventhttpclient", "python-rapidjson")

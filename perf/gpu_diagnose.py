@@ -31,8 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common.cli import OneLineParser
-from common.procs import run_bounded
-from perf.gpu_steps import ROOT, STEPS, result_path
+from perf.gpu_steps import ROOT, STEPS, result_path, run_bounded
 
 GRACE_S = 20  # after SIGTERM, time for a step to stop its servers and write what it has
 MIN_STEP_S = 15  # less than this left in the budget (and asked for): the step is skipped rather than started

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -109,3 +111,34 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_bounded(cmd: list[str], log: Path, timeout: float, grace: float = 20, **popen) -> int | None:
+    """Run `cmd` in a session of its own, its stdout and stderr appended to `log`; past `timeout` seconds
+    SIGTERM its process group, `grace` seconds later SIGKILL it. The exit status, or None if it ran out
+    of time. Only that group is signalled, while its leader is unreaped (its pid cannot have been reused)."""
+    with open(log, "ab") as sink:
+        process = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(process.pid, signal.SIGTERM)  # lets the child stop its servers and write what it has
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not _exited(process.pid):
+            time.sleep(0.2)
+        _signal_group(process.pid, signal.SIGKILL)  # whatever is left in the group (a stuck grandchild)
+        process.wait()
+        return None
+
+
+def _exited(pid: int) -> bool:
+    """True once `pid` (our child) has exited, without reaping it: a zombie keeps its pid and group ours."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
