@@ -16,11 +16,11 @@ except ImportError:  # imported outside Triton, e.g. by perf.bench to run the ve
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from batch_runner import PRECISIONS, BatchRunner
     from contract import IMAGE, LOGITS, parse_buckets
-    from engines import load_engine
+    from engines import cpu_bf16, load_engine
     from triton_io import error_response, honor_faulthandler, instance_device, model_parameters
 except ImportError:
     from backends.batch_runner import PRECISIONS, BatchRunner
-    from backends.engines import load_engine
+    from backends.engines import cpu_bf16, load_engine
     from backends.triton_io import error_response, honor_faulthandler, instance_device, model_parameters
     from common.contract import IMAGE, LOGITS, parse_buckets
 
@@ -127,6 +127,9 @@ def build_runner(version_dir: Path, params: dict, device: torch.device, max_batc
     channels_last = graph_engine
     if engine_name == "onnxruntime" and precision != "fp32":
         raise RuntimeError(f"engine onnxruntime runs the fp32 export; precision {precision} needs engine torch")
+    if precision == "bf16" and device.type == "cpu" and graph_engine and not cpu_bf16():
+        raise RuntimeError(f"precision bf16 needs a CPU with AMX or AVX512-BF16 (elsewhere it is emulated, "
+                           f"slower than fp32): serve this model with precision fp32 or engine openvino")
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     engine = load_engine(version_dir, params, device, memory_format, threads)
     if precision != "fp32" and isinstance(engine, torch.nn.Module):

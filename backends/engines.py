@@ -131,6 +131,17 @@ class OpenVino:
         return torch.from_numpy(result[self.output].copy())
 
 
+def cpu_bf16() -> bool:
+    """True where the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16): elsewhere oneDNN emulates it,
+    slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
 def default_threads() -> int:
     """Every core on a small machine; one left for Triton's own threads and the stub's I/O from 4 cores on."""
     cores = len(os.sched_getaffinity(0))

@@ -166,9 +166,9 @@ def _check_precision(precision: str, engine: str, gpu: bool) -> None:
         return
     if precision in ("auto", "int8"):
         raise cfg.ConfigError(f"--precision {precision} needs --engine openvino (on CPU instances)")
-    if precision != "fp32" and not gpu:
-        raise cfg.ConfigError(f"--precision {precision} needs --kind gpu or --engine openvino; "
-                              f"CPU engine {engine} runs fp32")
+    if precision == "fp16" and not gpu:
+        raise cfg.ConfigError(f"--precision fp16 needs --kind gpu; on CPU, engine {engine} runs fp32 or bf16 "
+                              "(bf16 where the serving CPU has AMX or AVX512-BF16)")
     if precision != "fp32" and engine == "onnxruntime":
         raise cfg.ConfigError(f"--precision {precision} needs --engine torch or torchscript "
                               "(onnxruntime runs the fp32 export)")

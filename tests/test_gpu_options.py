@@ -74,6 +74,7 @@ def test_build_repo_keeps_cpu_defaults_when_kind_is_cpu(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--kind", "cpu", "--engine", "torch", "--precision", "fp16"], "needs --kind gpu"),
+    (["--kind", "cpu", "--engine", "onnxruntime", "--precision", "bf16"], "needs --engine torch"),
     (["--kind", "cpu", "--precision", "fp16"], "not one OpenVINO runs"),
     (["--kind", "gpu", "--engine", "openvino"], "runs on CPU instances"),
     (["--kind", "cpu", "--engine", "onnxruntime", "--precision", "auto"], "needs --engine openvino"),
