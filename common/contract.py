@@ -18,7 +18,7 @@ PARAMETERS = {
     "model_class": "the nn.Module class in model_file",
     "torchvision_model": "the torchvision architecture the weights fit",
     "num_classes": "rows of LOGITS",
-    "num_threads": "torch/onnxruntime threads per CPU instance; 0: the engine's default",
+    "num_threads": "threads per instance; 0: the engine's default (preprocess: 1 on CPU, 4 on GPU)",
     "precision": "fp32, fp16 or bf16 (GPU instances)",
     "cuda_graphs": "1: one CUDA graph per batch bucket",
     "cudnn_benchmark": "1: cuDNN picks its algorithms per bucket at load time",

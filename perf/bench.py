@@ -57,37 +57,58 @@ def _configs(args) -> list[tuple[str, int, int]]:
 
 
 class InProcess:
-    """The very engine the backend builds (backends/classifier.py), run here with no server."""
+    """The very runner the backend builds (backends/classifier.py build_runner), run here with no server."""
 
-    def __init__(self, model_dir: Path, engine: str):
+    def __init__(self, model_dir: Path, engine: str, precision: str | None = None):
         import torch
 
-        from backends.engines import load_engine
+        from backends.batch_runner import PRECISIONS
+        from backends.classifier import build_runner
         from common.modelconfig import parameters, read_config
+        from common.transforms import transform_from_parameters
 
         config = read_config(model_dir)
-        params = parameters(config)
-        plain = engine in ("onnxruntime", "openvino")  # NCHW engines; torch runs channels_last
-        self.memory_format = torch.contiguous_format if plain else torch.channels_last
-        self.run = load_engine(model_dir / "1", {**params, "engine": engine}, torch.device("cpu"),
-                                self.memory_format, 0)
+        params = {**parameters(config), "engine": engine, **({"precision": precision} if precision else {})}
         self.side = int(config.input[0].dims[-1])
+        self.runner = build_runner(model_dir / "1", params, torch.device("cpu"), max(config.max_batch_size, 1),
+                                   (3, self.side, self.side))
+        self.runner.warm_up()
+        # What the engine runs: OpenVINO resolves precision auto here, as it does in the stub.
+        names = {dtype: name for name, dtype in PRECISIONS.items()}
+        self.precision = getattr(self.runner.engine, "precision", None) or names[self.runner.dtype]
+        self.transform = transform_from_parameters(params)
         self.rates: dict[int, list[float]] = {}
+        self.image_rates: dict[int, list[float]] = {}
 
     def measure(self, batch: int, seconds: float) -> float:
         """Images/s at `batch`; measured right after each served point, so both see the same machine."""
         import torch
 
         images = torch.from_numpy(np.stack([loadgen.sample(self.side, False)] * batch))
-        with torch.inference_mode():
-            self.run(images.to(memory_format=self.memory_format))  # warm-up: kernel selection
-            done, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds or done < 2:
-                self.run(images.to(memory_format=self.memory_format))  # the backend converts each batch too
-                done += 1
-        rate = batch * done / (time.perf_counter() - start)
+        rate = self._rate(lambda: self.runner.run([images]), batch, seconds)
         self.rates.setdefault(batch, []).append(rate)
         return rate
+
+    def measure_images(self, batch: int, seconds: float, data: bytes) -> float:
+        """Images/s of the image path's whole work at `batch`: decode, preprocess (the preprocess stub's
+        own code) and the forward, one after another on these cores."""
+        import torch
+
+        from backends.preprocess import Preprocessor
+
+        preprocess = Preprocessor(self.transform, torch.device("cpu"), tensor_decode=False)
+        rate = self._rate(lambda: self.runner.run([torch.stack(preprocess([data] * batch))]), batch, seconds)
+        self.image_rates.setdefault(batch, []).append(rate)
+        return rate
+
+    @staticmethod
+    def _rate(step, batch: int, seconds: float) -> float:
+        step()  # warm-up: kernel selection for this batch size
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds or done < 2:
+            step()
+            done += 1
+        return batch * done / (time.perf_counter() - start)
 
 
 def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:

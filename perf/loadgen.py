@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import tritonclient.http as httpclient
 
-from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
+from common.contract import IMAGE as INPUT, IMAGE_BYTES, LOGITS as OUTPUT
 from perf.stats import counters
 
 
@@ -41,9 +41,18 @@ def sample(side: int, batched: bool, seed: int = 0) -> np.ndarray:
     return image[None] if batched else image
 
 
+def encoded(data: bytes, batched: bool) -> np.ndarray:
+    """One encoded image as the image path's IMAGE_BYTES input ([1, 1] batched, [1] not)."""
+    element = np.array([data], dtype=object)
+    return element[None] if batched else element
+
+
 def run_load(url: str, model: str, concurrency: int, seconds: float, image: np.ndarray,
-             label: str = "", rate: float | None = None, warmup: float = 1.0) -> Point:
-    """`concurrency` clients send one request after another (or, with `rate`, at that total rate)."""
+             label: str = "", rate: float | None = None, warmup: float = 1.0, stats_model: str = "") -> Point:
+    """`concurrency` clients send one request after another (or, with `rate`, at that total rate).
+
+    `image`: an FP32 IMAGE tensor (the tensor path), or encoded bytes from `encoded` (the image path,
+    where `stats_model` names the classifier whose batches Triton's statistics count)."""
     completions: list[tuple[float, float, bool]] = []  # (done, latency, ok)
     lock = threading.Lock()
     start_gate = threading.Barrier(concurrency + 1)
@@ -51,7 +60,9 @@ def run_load(url: str, model: str, concurrency: int, seconds: float, image: np.n
 
     def worker(index: int) -> None:
         client = httpclient.InferenceServerClient(url, connection_timeout=120, network_timeout=120)
-        tensor = httpclient.InferInput(INPUT, list(image.shape), "FP32")
+        as_bytes = image.dtype == object
+        tensor = httpclient.InferInput(IMAGE_BYTES if as_bytes else INPUT, list(image.shape),
+                                       "BYTES" if as_bytes else "FP32")
         tensor.set_data_from_numpy(image)
         outputs = [httpclient.InferRequestedOutput(OUTPUT)]
         interval = concurrency / rate if rate else 0.0
@@ -85,10 +96,10 @@ def run_load(url: str, model: str, concurrency: int, seconds: float, image: np.n
     timing.update(measure=begin + warmup, end=begin + warmup + seconds)
     start_gate.wait()
     time.sleep(warmup)
-    before = counters(stats_client, model)
+    before = counters(stats_client, stats_model or model)
     for thread in threads:
         thread.join()
-    after = counters(stats_client, model)
+    after = counters(stats_client, stats_model or model)
     return _point(label, concurrency, seconds, completions, before, after)
 
 
