@@ -35,7 +35,7 @@ SWEEP = [("unbatched", False, 0, True, 1), ("b8 d0", True, 0, True, 1), ("b8 d0,
          ("b8 d2ms", True, 2_000, True, 1), ("b8 d5ms", True, 5_000, True, 1), ("b8 d0, 2 instances", True, 0, True, 2)]
 SAMPLE = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
 # scikit-image's photos other than the served cat: int8's calibration set (crops of each, as in the tests).
-CALIBRATION = ("astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "motorcycle_left")
+CALIBRATION = ("astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "stereo_motorcycle")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -70,7 +70,8 @@ def calibration_folder(folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     for name in CALIBRATION:
-        image = Image.fromarray(getattr(data, name)()).convert("RGB")
+        pixels = getattr(data, name)()
+        image = Image.fromarray(pixels[0] if isinstance(pixels, tuple) else pixels).convert("RGB")
         w, h = image.size
         image.save(folder / f"{name}.jpg", quality=90)
         for i, box in enumerate([(0, 0, w * 2 // 3, h * 2 // 3), (w // 3, h // 3, w, h), (w // 4, 0, w * 3 // 4, h // 2)]):

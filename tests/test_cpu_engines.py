@@ -43,3 +43,10 @@ def test_sweep_configs_change_only_batching_and_instances_when_built():
     bounded = cpu_engines.with_batching(base, True, 0, True)
     assert bounded["dynamic_batching"]["default_queue_policy"] == {"max_queue_size": "128"}
     assert base["instance_group"][0]["count"] == 1 and "dynamic_batching" in base  # the base is untouched
+
+
+def test_calibration_folder_holds_photos_other_than_the_served_cat_when_written(tmp_path):
+    folder = cpu_engines.calibration_folder(tmp_path / "calibration")
+    files = sorted(path.name for path in folder.iterdir())
+    assert len(files) == 4 * len(cpu_engines.CALIBRATION) and all(name.endswith(".jpg") for name in files)
+    assert not any(name.startswith(("chelsea", "cat")) for name in files)
