@@ -205,8 +205,8 @@ def write_outputs(result: dict, stem: Path) -> list[Path]:
         writer.writeheader()
         writer.writerows(table)
     levels = {level["concurrency"]: level for level in (result["torchserve"] or {}).get("levels", [])}
-    names = [f"{v['variant']}\n({v['precision_served']})" for v in result["variants"]] + \
-        (["TorchServe 0.12\n(b8, 50 ms)"] if levels else [])
+    names = [f"{v['engine']}\n{v['precision_asked']}\n(ran {v['precision_served']})" for v in result["variants"]] + \
+        (["TorchServe\n0.12\n(b8, 50 ms)"] if levels else [])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, ts_key, c, label in [(axes[0], "throughput", "img_per_s", max, "images / s, concurrency {}"),
                                       (axes[1], "p50_ms", "p50_ms", min, "p50 latency (ms), concurrency {}")]:
