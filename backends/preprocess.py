@@ -7,6 +7,7 @@ On a GPU instance JPEGs are decoded there (nvJPEG, batched) and IMAGE is returne
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from PIL import Image
@@ -93,26 +94,30 @@ class Preprocessor:
     any JPEG that decoder refuses, takes the PIL path, whose errors name the problem.
     """
 
-    def __init__(self, transform, device: torch.device, tensor_decode: bool):
+    def __init__(self, transform, device: torch.device, tensor_decode: bool, workers: int = 1):
         self.transform, self.device, self.tensor_decode = transform, device, tensor_decode
+        # PIL releases the GIL while it decodes and resizes: a pool decodes a batch's images in parallel.
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pil") if workers > 1 else None
 
     def __call__(self, elements: list[bytes]) -> list:
-        results = [None] * len(elements)
-        fast = []
+        results, fast, slow = [None] * len(elements), [], []
         for index, data in enumerate(elements):
             try:
-                if self.tensor_decode and tensor_decodable(data):
-                    fast.append(index)
-                else:
-                    results[index] = self._pil(data)
+                (fast if self.tensor_decode and tensor_decodable(data) else slow).append(index)
             except ImageError as exc:
                 results[index] = detached(exc)
         decoded = self._decode([elements[i] for i in fast])
         for index, image in zip(fast, decoded):
+            if image is None:  # the decoder refused it: PIL's path, whose errors name the problem
+                slow.append(index)
+                continue
             try:
-                results[index] = self._tensor_transform(image) if image is not None else self._pil(elements[index])
+                results[index] = self._tensor_transform(image)
             except ImageError as exc:
                 results[index] = detached(exc)
+        mapper = self._pool.map if self._pool is not None and len(slow) > 1 else map
+        for index, result in zip(slow, mapper(self._pil_or_error, [elements[i] for i in slow])):
+            results[index] = result
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # a CUDA fault raises here, not later
         return results
@@ -141,6 +146,12 @@ class Preprocessor:
     def _tensor_transform(self, image: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             return self.transform(image)
+
+    def _pil_or_error(self, data: bytes):
+        try:
+            return self._pil(data)
+        except ImageError as exc:
+            return detached(exc)
 
     def _pil(self, data: bytes) -> torch.Tensor:
         image = decode(data)

@@ -125,10 +125,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-buckets", type=_positive, nargs="+",
                    help="batch sizes a GPU instance pads to and warms up (the max batch size is always one). "
                         "Default: powers of two up to the max batch size.")
-    p.add_argument("--decode-device", choices=("cpu", "gpu"), default="cpu",
-                   help="gpu (with --kind gpu): NAME_preprocess runs on GPU instances, decodes JPEGs with nvJPEG "
-                        "and hands IMAGE over in GPU memory. EXPERIMENTAL: in our one served H100 run its stub "
-                        "died (README, GPU). cpu: decode on CPU instances. Default: cpu.")
+    p.add_argument("--image-model", choices=("auto", "ensemble", "fused"), default="auto",
+                   help="what NAME_image is: ensemble (NAME_preprocess on CPU instances, then NAME) or fused (one "
+                        "python model that decodes, preprocesses and classifies on NAME's device, nvJPEG on a GPU). "
+                        "Default: auto = fused for --kind gpu, ensemble for cpu.")
+    p.add_argument("--decode-device", choices=("cpu", "gpu"), default=None,
+                   help="where JPEGs are decoded. With the ensemble, gpu (with --kind gpu) runs NAME_preprocess on "
+                        "GPU instances and hands IMAGE over in GPU memory (EXPERIMENTAL: in our one served H100 run "
+                        "its stub died, README, GPU). With fused, cpu decodes with PIL only. Default: gpu for a "
+                        "fused model on GPU, else cpu.")
     p.add_argument("--num-threads", type=_non_negative, default=0,
                    help="engine threads per CPU instance; 0: the engine's default (openvino: every core, one "
                         "left for Triton from 4 cores on). Default: 0.")

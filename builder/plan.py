@@ -140,6 +140,8 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     delay = _first_set(args.max_queue_delay_us, archive_delay, default.max_queue_delay_us)
     if args.decode_device == "gpu" and not gpu:
         raise cfg.ConfigError("--decode-device gpu needs --kind gpu")
+    image_model = args.image_model if args.image_model != "auto" else ("fused" if gpu else "ensemble")
+    decode_device = args.decode_device or ("gpu" if gpu and image_model == "fused" else "cpu")
     graphs = gpu and engine != "onnxruntime" if args.cuda_graphs is None else args.cuda_graphs
     if graphs and engine == "onnxruntime":
         raise cfg.ConfigError("--cuda-graphs needs --engine torch or torchscript")
@@ -153,7 +155,7 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
                    kind=kind, instances=instances or default.instances, num_threads=args.num_threads,
                    engine=engine, formats=args.formats, verify=args.verify, precision=precision,
                    cuda_graphs=bool(graphs and gpu), cudnn_benchmark=args.cudnn_benchmark, buckets=buckets,
-                   decode_device=args.decode_device, calibration=args.calibration)
+                   decode_device=decode_device, calibration=args.calibration, image_model=image_model)
 
 
 def _check_precision(precision: str, engine: str, gpu: bool) -> None:

@@ -27,6 +27,9 @@ CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "ba
 PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "backends/decoding.py",
                     "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
                     "transforms.py": "common/transforms.py"}
+# NAME_image as one python model (--image-model fused): its model.py runs the two above, unchanged, in one stub.
+FUSED_FILES = {**CLASSIFIER_FILES, **PREPROCESS_FILES, "model.py": "backends/fused.py",
+               "classifier.py": "backends/classifier.py", "preprocess.py": "backends/preprocess.py"}
 ENGINES = ("torch", "torchscript", "onnxruntime", "openvino")
 CODE_DIR = "model_code"  # the user's model file in the version folder (engine torch)
 ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx", "openvino": "onnx"}  # engine -> its export
@@ -51,6 +54,7 @@ class Options:
     buckets: tuple[int, ...] = ()  # batch sizes a GPU instance pads to (and captures graphs for)
     decode_device: str = "cpu"  # gpu: NAME_preprocess on GPU instances decodes JPEGs there (experimental)
     calibration: Path | None = None  # precision int8: the images that calibrate and check the quantized model
+    image_model: str = "ensemble"  # fused: NAME_image decodes, preprocesses and classifies in one stub
 
 
 def model_names(name: str, formats: tuple[str, ...]) -> list[str]:
@@ -201,31 +205,40 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
         shutil.copyfile(artifact, version / artifact.name)
     if "onnx_int8" in artifacts:
         shutil.copyfile(artifacts["onnx_int8"], version / artifacts["onnx_int8"].name)
-    _config(staging / c.name, image, logits, cfg.Format.PYTHON, options, {
+    classifier_parameters = {
         # GPU tensors from the ensemble's preprocess step stay on the GPU (no round trip through the
         # host); HTTP/gRPC inputs still arrive in CPU memory and the runner stages them once per batch.
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "weights_file": "weights.pt", "engine": options.engine,
         "num_threads": str(options.num_threads), "precision": options.precision,
         "cuda_graphs": "1" if options.cuda_graphs else "0", "cudnn_benchmark": "1" if options.cudnn_benchmark else "0",
-        "batch_buckets": ",".join(map(str, options.buckets)), **code, **named, **common})
+        "batch_buckets": ",".join(map(str, options.buckets)), **code, **named, **common}
+    _config(staging / c.name, image, logits, cfg.Format.PYTHON, options, classifier_parameters)
 
     pre = f"{c.name}_preprocess"
-    version = _model_dir(staging / pre, None)
-    _copy_backend(PREPROCESS_FILES, version)
+    _copy_backend(PREPROCESS_FILES, _model_dir(staging / pre, None))
     # decode_device gpu: JPEGs are decoded on the GPU and IMAGE stays in GPU memory between the two
     # steps of the ensemble (Triton's CUDA memory pool). Otherwise decoding runs on CPU instances and
     # the classifier stages the CPU tensors once per batch.
-    pre_kind = options.kind if options.decode_device == "gpu" else cfg.InstanceKind.CPU
-    pre_options = replace(options, kind=pre_kind)
+    ensemble_gpu_decode = options.decode_device == "gpu" and options.image_model == "ensemble"
+    pre_options = replace(options, kind=options.kind if ensemble_gpu_decode else cfg.InstanceKind.CPU)
     _config(staging / pre, _image_bytes(), image, cfg.Format.PYTHON, pre_options,
-            {"num_threads": str(options.num_threads), "decode_device": options.decode_device, **common})
+            {"num_threads": str(options.num_threads), "decode_device": "gpu" if ensemble_gpu_decode else "cpu",
+             **common})
 
-    ensemble = f"{c.name}_image"
-    _model_dir(staging / ensemble, labels)
-    steps = (cfg.Step(pre, {IMAGE_BYTES: IMAGE_BYTES}, {IMAGE: "image"}),
-             cfg.Step(c.name, {IMAGE: "image"}, {LOGITS: LOGITS}))
-    _config(staging / ensemble, _image_bytes(), logits, cfg.Format.ENSEMBLE, options,
-            {**named, **common}, steps)
+    image_model = f"{c.name}_image"
+    fused = _model_dir(staging / image_model, labels)
+    if options.image_model == "fused":  # the classifier's artifacts, linked (not copied) where possible
+        _copy_backend(FUSED_FILES, fused)
+        for entry in version.iterdir():
+            if entry.name not in CLASSIFIER_FILES:
+                _link_tree(entry, fused / entry.name)
+        _config(staging / image_model, _image_bytes(), logits, cfg.Format.PYTHON, options,
+                {**classifier_parameters, "decode_device": options.decode_device})
+    else:
+        steps = (cfg.Step(pre, {IMAGE_BYTES: IMAGE_BYTES}, {IMAGE: "image"}),
+                 cfg.Step(c.name, {IMAGE: "image"}, {LOGITS: LOGITS}))
+        _config(staging / image_model, _image_bytes(), logits, cfg.Format.ENSEMBLE, options,
+                {**named, **common}, steps)
 
     for fmt, output_name in (("onnx", LOGITS), ("torchscript", export.TORCHSCRIPT_OUTPUT)):
         if fmt in options.formats:
@@ -264,6 +277,19 @@ def _labels_parameter(c: Classifier) -> dict[str, str]:
 def _copy_backend(files: dict[str, str], version: Path) -> None:
     for name, source in files.items():
         shutil.copyfile(_ROOT / source, version / name)
+
+
+def _link_tree(source: Path, target: Path) -> None:
+    """A hard link of a file (or of each file of a folder); a copy where links are not possible."""
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+    if source.is_dir():
+        shutil.copytree(source, target, copy_function=link)
+    else:
+        link(source, target)
 
 
 def _model_dir(model_dir: Path, labels: str | None) -> Path:
