@@ -11,8 +11,9 @@ Steps, in this order by default:
                         (ldconfig, dlopen of libcuda.so and libcuda.so.1), ldd of the wheel's python stub
   gpu_output            an echo model on a GPU instance answering with a torch CUDA tensor, one request:
                         as is, then with libcuda.so -> libcuda.so.1 first on tritonserver's LD_LIBRARY_PATH
-  image_path            a JPEG to resnet18_image (random weights) over gRPC, default CPU preprocess, then
-                        --decode-device gpu (and, if that fails, variants that tell decode from GPU output)
+  image_path            a JPEG to resnet18_image (random weights) over gRPC: the fused model (the GPU
+                        default), the ensemble with CPU preprocess, then with --decode-device gpu (and, if
+                        that fails, variants that tell decode from GPU output)
   parity                nvJPEG + GPU transforms vs PIL on perf.samples' JPEGs
   gpu_tests             pytest tests/test_gpu.py tests/test_gpu_options.py tests/test_preprocess_gpu.py
   python_backend_probe  echo models (CPU, GPU instance) vs resnet18 fp16, served img/s at c=1 and 64

@@ -178,8 +178,8 @@ def _set_parameter(model_dir: Path, key: str, value: str) -> None:
 
 
 def image_path(ctx: Context) -> None:
-    """A JPEG to NAME_image over gRPC: CPU preprocess -> GPU classifier (the default), then --decode-device
-    gpu. If the GPU decode fails: again with a CPU output from the GPU preprocess, and with libcuda.so linked."""
+    """A JPEG to NAME_image over gRPC: the fused model (the GPU default: nvJPEG + classify in one stub), the
+    ensemble with CPU preprocess -> GPU classifier, then the ensemble with --decode-device gpu. If that fails: again with a CPU output from the GPU preprocess, and with libcuda.so linked."""
     from builder import cli as build_repo
 
     jpeg, expected = CAT.read_bytes(), _reference(CAT.read_bytes())
@@ -187,11 +187,12 @@ def image_path(ctx: Context) -> None:
     variants = ctx.details["variants"] = {}
     work = Path(tempfile.mkdtemp(prefix="diagnose-image-"))
     try:
-        for decode in ("cpu", "gpu"):
-            repo, name = work / f"decode_{decode}", f"decode_{decode}"
+        for decode, image_model in (("gpu", "fused"), ("cpu", "ensemble"), ("gpu", "ensemble")):
+            name = f"decode_{decode}" if image_model == "ensemble" else "fused"
+            repo = work / name
             argv = ["--model", MODEL, "--weights", "random", "--seed", "0", "--kind", "gpu", "--max-batch-size", "8",
-                    "--instances", "1", "--decode-device", decode, "--output", str(repo)]
-            ctx.details[f"build_{decode}"] = "build-repo " + " ".join(argv[:-2])
+                    "--instances", "1", "--image-model", image_model, "--decode-device", decode, "--output", str(repo)]
+            ctx.details[f"build_{name}"] = "build-repo " + " ".join(argv[:-2])
             if build_repo.main(argv) != 0:
                 variants[name] = {"status": "failed", "reason": "build-repo failed (its error is in image_path.log)"}
                 continue

@@ -91,21 +91,24 @@ def test_gpu_onnxruntime_engine_loads_only_with_a_real_cuda_provider(tmp_path, s
     assert relative_error(served, reference_logits(small_model, images)) <= TOLERANCE["fp32"]
 
 
-@pytest.mark.parametrize("decode", [
-    "cpu",
+@pytest.mark.parametrize("image_model, decode", [
+    ("fused", "gpu"),  # the GPU default: nvJPEG and the forward in one stub, no GPU tensor between processes
+    ("ensemble", "cpu"),
     # Seen on the H100 (torch 2.11+cu130, the wheel's stub linking CUDA 12.6): the GPU preprocess stub
     # died on the first request ("Stub process ... is not healthy"); cause not established.
-    pytest.param("gpu", marks=pytest.mark.xfail(reason="preprocess stub died on GPU instances in our H100 run")),
+    pytest.param("ensemble", "gpu", marks=pytest.mark.xfail(reason="preprocess stub died on GPU instances in our "
+                                                                   "H100 run")),
 ])
-def test_gpu_image_ensemble_isolates_bad_bytes_when_served(tmp_path, small_model, decode, start_server):
+def test_gpu_image_model_isolates_bad_bytes_when_served(tmp_path, small_model, image_model, decode, start_server):
     import torchvision
 
     from backends.decoding import decode as pil_decode
     from images import CAT, bad_images, good_images
 
     repo = tmp_path / "repo"
-    build(repo, "--kind", "gpu", "--max-batch-size", "8", "--decode-device", decode)
-    kind = mc.ModelInstanceGroup.KIND_GPU if decode == "gpu" else mc.ModelInstanceGroup.KIND_CPU
+    build(repo, "--kind", "gpu", "--max-batch-size", "8", "--image-model", image_model, "--decode-device", decode)
+    on_gpu = decode == "gpu" and image_model == "ensemble"
+    kind = mc.ModelInstanceGroup.KIND_GPU if on_gpu else mc.ModelInstanceGroup.KIND_CPU
     assert read_config(repo / f"{SMALL}_preprocess").instance_group[0].kind == kind
     blobs = {"jpeg": CAT.read_bytes(), "webp": good_images()["webp"], "truncated": bad_images()["truncated-jpeg"][0]}
 
