@@ -12,22 +12,19 @@ from __future__ import annotations
 import json
 
 import torch
-try:
-    import triton_python_backend_utils as pb_utils
-except ImportError:  # imported outside Triton, by tests
-    pb_utils = None
+
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from classifier import TritonPythonModel as Classifier
     from contract import IMAGE, IMAGE_BYTES
     from decoding import ImageError
     from preprocess import Preprocessor
     from transforms import transform_from_parameters
-    from triton_io import error_response, model_parameters
+    from triton_io import encoded_elements, error_response, model_parameters
 except ImportError:
     from backends.classifier import TritonPythonModel as Classifier
     from backends.decoding import ImageError
     from backends.preprocess import Preprocessor
-    from backends.triton_io import error_response, model_parameters
+    from backends.triton_io import encoded_elements, error_response, model_parameters
     from common.contract import IMAGE, IMAGE_BYTES
     from common.transforms import transform_from_parameters
 
@@ -46,15 +43,7 @@ class TritonPythonModel(Classifier):
         self.preprocess = Preprocessor(transform_from_parameters(params), self.device, tensor_decode, workers)
 
     def execute(self, requests):
-        elements, owners, responses = [], [], [None] * len(requests)
-        for index, request in enumerate(requests):
-            tensor = pb_utils.get_input_tensor_by_name(request, IMAGE_BYTES)
-            if tensor is None:
-                responses[index] = error_response(f"request has no input {IMAGE_BYTES!r}", invalid=True)
-                continue
-            for element in tensor.as_numpy().reshape(-1):
-                elements.append(element if isinstance(element, bytes) else bytes(element))
-                owners.append(index)
+        elements, owners, responses = encoded_elements(requests, IMAGE_BYTES)
         try:
             images = self.preprocess(elements)
         except Exception as exc:  # a device fault: every request of this batch, none silently

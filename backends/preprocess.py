@@ -21,10 +21,12 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from contract import IMAGE, IMAGE_BYTES
     from decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
     from transforms import transform_from_parameters
-    from triton_io import error_response, honor_faulthandler, instance_device, model_parameters
+    from triton_io import (encoded_elements, error_response, honor_faulthandler, instance_device,
+                           model_parameters)
 except ImportError:
     from backends.decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
-    from backends.triton_io import error_response, honor_faulthandler, instance_device, model_parameters
+    from backends.triton_io import (encoded_elements, error_response, honor_faulthandler, instance_device,
+                                    model_parameters)
     from common.contract import IMAGE, IMAGE_BYTES
     from common.transforms import transform_from_parameters
 
@@ -54,15 +56,7 @@ class TritonPythonModel:
         self.gpu_output = params.get("output_device", "gpu") == "gpu"
 
     def execute(self, requests):
-        elements, owners, responses = [], [], [None] * len(requests)
-        for index, request in enumerate(requests):
-            tensor = pb_utils.get_input_tensor_by_name(request, IMAGE_BYTES)
-            if tensor is None:
-                responses[index] = error_response(f"request has no input {IMAGE_BYTES!r}", invalid=True)
-                continue
-            for element in tensor.as_numpy().reshape(-1):
-                elements.append(element if isinstance(element, bytes) else bytes(element))
-                owners.append(index)
+        elements, owners, responses = encoded_elements(requests, IMAGE_BYTES)
         try:
             images = self.preprocess(elements)
         except Exception as exc:  # a device fault: every request of this batch, none silently

@@ -1,4 +1,4 @@
-"""What both backends need from python_backend: the instance's device, the config's parameters, errors.
+"""What the backends need from python_backend: the instance's device, the config's parameters, errors, inputs.
 
 build-repo copies this file beside each model.py; it must stay self-contained.
 """
@@ -47,3 +47,18 @@ def error_response(message: str, *, invalid: bool):
     code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid else None
     error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
     return pb_utils.InferenceResponse(output_tensors=[], error=error)
+
+
+def encoded_elements(requests, name: str) -> tuple[list[bytes], list[int], list]:
+    """Every element of each request's BYTES input `name`, in order, with the index of the request it came
+    from; and a response list holding an error for each request without that input (None elsewhere)."""
+    elements, owners, responses = [], [], [None] * len(requests)
+    for index, request in enumerate(requests):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            responses[index] = error_response(f"request has no input {name!r}", invalid=True)
+            continue
+        for element in tensor.as_numpy().reshape(-1):
+            elements.append(element if isinstance(element, bytes) else bytes(element))
+            owners.append(index)
+    return elements, owners, responses
