@@ -15,17 +15,15 @@ import torch
 
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from classifier import TritonPythonModel as Classifier
-    from contract import IMAGE, IMAGE_BYTES
-    from decoding import ImageError
-    from preprocess import Preprocessor
+    from contract import IMAGE
+    from preprocess import Preprocessor, preprocessed
     from transforms import transform_from_parameters
-    from triton_io import encoded_elements, error_response, model_parameters
+    from triton_io import model_parameters
 except ImportError:
     from backends.classifier import TritonPythonModel as Classifier
-    from backends.decoding import ImageError
-    from backends.preprocess import Preprocessor
-    from backends.triton_io import encoded_elements, error_response, model_parameters
-    from common.contract import IMAGE, IMAGE_BYTES
+    from backends.preprocess import Preprocessor, preprocessed
+    from backends.triton_io import model_parameters
+    from common.contract import IMAGE
     from common.transforms import transform_from_parameters
 
 
@@ -43,26 +41,9 @@ class TritonPythonModel(Classifier):
         self.preprocess = Preprocessor(transform_from_parameters(params), self.device, tensor_decode, workers)
 
     def execute(self, requests):
-        elements, owners, responses = encoded_elements(requests, IMAGE_BYTES)
-        try:
-            images = self.preprocess(elements)
-        except Exception as exc:  # a device fault: every request of this batch, none silently
-            return [r or error_response(f"preprocessing failed: {type(exc).__name__}: {exc}", invalid=False)
-                    for r in responses]
-        batches, batch_owners = [], []
-        for index in range(len(requests)):
-            if responses[index] is not None:
-                continue
-            mine = [image for image, owner in zip(images, owners) if owner == index]
-            bad = next(((i, e) for i, e in enumerate(mine) if isinstance(e, ImageError)), None)
-            if bad is not None:  # the client's fault: INVALID_ARG (HTTP 400), for this request alone
-                responses[index] = error_response(f"{IMAGE_BYTES}[{bad[0]}]: {bad[1]}", invalid=True)
-            elif not mine:
-                responses[index] = error_response(f"{IMAGE_BYTES} holds no image", invalid=True)
-            else:
-                batches.append(torch.stack(mine))
-                batch_owners.append(index)
-        if batches:  # one forward for every good request
-            for index, response in zip(batch_owners, self._infer(batches)):
+        responses, images = preprocessed(self.preprocess, requests)
+        good = [index for index, mine in enumerate(images) if mine is not None]
+        if good:  # one forward for every good request
+            for index, response in zip(good, self._infer([torch.stack(images[index]) for index in good])):
                 responses[index] = response
         return responses

@@ -56,28 +56,43 @@ class TritonPythonModel:
         self.gpu_output = params.get("output_device", "gpu") == "gpu"
 
     def execute(self, requests):
-        elements, owners, responses = encoded_elements(requests, IMAGE_BYTES)
-        try:
-            images = self.preprocess(elements)
-        except Exception as exc:  # a device fault: every request of this batch, none silently
-            return [r or error_response(f"preprocessing failed: {type(exc).__name__}: {exc}", invalid=False)
-                    for r in responses]
-        for index in range(len(requests)):
-            if responses[index] is None:
-                mine = [image for image, owner in zip(images, owners) if owner == index]
+        responses, images = preprocessed(self.preprocess, requests)
+        for index, mine in enumerate(images):
+            if mine is not None:
                 responses[index] = self._response(mine)
         return responses
 
     def _response(self, images: list):
-        bad = next(((i, e) for i, e in enumerate(images) if isinstance(e, ImageError)), None)
-        if bad is not None:  # the client's fault: INVALID_ARG (HTTP 400)
-            return error_response(f"{IMAGE_BYTES}[{bad[0]}]: {bad[1]}", invalid=True)
         batch = torch.stack(images) if self.batched else images[0]
         if batch.device.type == "cuda" and not self.gpu_output:
             batch = batch.cpu()
         if batch.device.type == "cuda":  # stays on the GPU for the classifier (Triton's CUDA pool)
             return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(IMAGE, to_dlpack(batch))])
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(IMAGE, batch.numpy())])
+
+
+def preprocessed(preprocess: "Preprocessor", requests) -> tuple[list, list]:
+    """One decode for the whole batch, then per request: its error response (no input, a bad image: the
+    client's fault, INVALID_ARG; a device fault: the server's, for every request) or its list of images."""
+    elements, owners, responses = encoded_elements(requests, IMAGE_BYTES)
+    try:
+        images = preprocess(elements)
+    except Exception as exc:  # a device fault: every request of this batch, none silently
+        failed = error_response(f"preprocessing failed: {type(exc).__name__}: {exc}", invalid=False)
+        return [r or failed for r in responses], [None] * len(requests)
+    per_request = [None] * len(requests)
+    for index in range(len(requests)):
+        if responses[index] is not None:
+            continue
+        mine = [image for image, owner in zip(images, owners) if owner == index]
+        bad = next(((i, e) for i, e in enumerate(mine) if isinstance(e, ImageError)), None)
+        if bad is not None:
+            responses[index] = error_response(f"{IMAGE_BYTES}[{bad[0]}]: {bad[1]}", invalid=True)
+        elif not mine:
+            responses[index] = error_response(f"{IMAGE_BYTES} holds no image", invalid=True)
+        else:
+            per_request[index] = mine
+    return responses, per_request
 
 
 class Preprocessor:
