@@ -16,7 +16,7 @@ import torch
 from builder import config as cfg
 from builder import export
 from builder.weights import Classifier
-from common.contract import IMAGE, IMAGE_BYTES, LOGITS
+from common.contract import IMAGE, IMAGE_BYTES, IMAGE_INPUTS, LOGITS
 from common.procs import pid_alive
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -201,7 +201,9 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
         shutil.copyfile(artifact, version / artifact.name)
     if "onnx_int8" in artifacts:
         shutil.copyfile(artifacts["onnx_int8"], version / artifacts["onnx_int8"].name)
-    _config(staging / c.name, image, logits, cfg.Format.PYTHON, options, {
+    # NAME takes IMAGE, IMAGE_FP16 or IMAGE_UINT8 (exactly one per request, checked by the backend);
+    # the ensemble and the exports keep the one FP32 input.
+    _config(staging / c.name, _image_inputs(side), logits, cfg.Format.PYTHON, options, {
         # GPU tensors from the ensemble's preprocess step stay on the GPU (no round trip through the
         # host); HTTP/gRPC inputs still arrive in CPU memory and the runner stages them once per batch.
         "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "weights_file": "weights.pt", "engine": options.engine,
@@ -274,9 +276,10 @@ def _model_dir(model_dir: Path, labels: str | None) -> Path:
     return version
 
 
-def _config(model_dir: Path, inp: cfg.Tensor, out: cfg.Tensor, fmt: cfg.Format, options: Options,
-            parameters: dict[str, str], steps: tuple[cfg.Step, ...] = ()) -> None:
-    spec = cfg.ModelSpec(name=model_dir.name, inputs=(inp,), outputs=(out,), format=fmt, batching=options.batching,
+def _config(model_dir: Path, inp: cfg.Tensor | tuple[cfg.Tensor, ...], out: cfg.Tensor, fmt: cfg.Format,
+            options: Options, parameters: dict[str, str], steps: tuple[cfg.Step, ...] = ()) -> None:
+    inputs = inp if isinstance(inp, tuple) else (inp,)
+    spec = cfg.ModelSpec(name=model_dir.name, inputs=inputs, outputs=(out,), format=fmt, batching=options.batching,
                          kind=options.kind, instances=options.instances, parameters=parameters, steps=steps)
     cfg.write_config(spec.to_proto(), model_dir)
 
@@ -297,6 +300,12 @@ def _swap_in(built: Path, target: Path) -> Path:
 
 def _image(side: int) -> cfg.Tensor:
     return cfg.Tensor(IMAGE, "TYPE_FP32", (3, side, side))
+
+
+def _image_inputs(side: int) -> tuple[cfg.Tensor, ...]:
+    """The python classifier's inputs, IMAGE first, all optional: a request sends one of them."""
+    return tuple(cfg.Tensor(name, f"TYPE_{dtype}", (3, side, side), optional=True)
+                 for name, dtype in IMAGE_INPUTS.values())
 
 
 def _image_bytes() -> cfg.Tensor:
