@@ -15,14 +15,16 @@ except ImportError:  # imported outside Triton, e.g. by perf.bench to run the ve
     pb_utils = None
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from batch_runner import PRECISIONS, BatchRunner
-    from contract import IMAGE, LOGITS, parse_buckets
+    from contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
     from engines import cpu_bf16, load_engine
     from triton_io import error_response, honor_faulthandler, instance_device, model_parameters
 except ImportError:
     from backends.batch_runner import PRECISIONS, BatchRunner
     from backends.engines import cpu_bf16, load_engine
     from backends.triton_io import error_response, honor_faulthandler, instance_device, model_parameters
-    from common.contract import IMAGE, LOGITS, parse_buckets
+    from common.contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
+
+DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "UINT8": torch.uint8}  # Triton's names -> torch
 
 
 class TritonPythonModel:
@@ -32,6 +34,9 @@ class TritonPythonModel:
         params = model_parameters(config)
         self.device = instance_device(args)
         self.sample_shape = tuple(int(d) for d in config["input"][0]["dims"])
+        # The image inputs this config declares (older repositories: IMAGE alone); a request sends one.
+        declared = {tensor["name"] for tensor in config["input"]}
+        self.inputs = {name: dtype for name, dtype in IMAGE_INPUTS.values() if name in declared}
         max_batch = int(config.get("max_batch_size", 0))
         self.batched = max_batch > 0
         self.engine_name = params.get("engine", "torch")
@@ -78,9 +83,13 @@ class TritonPythonModel:
         self._info = self._info_family = None  # the metric before its family (python_backend's rule)
 
     def _input(self, request) -> torch.Tensor:
-        tensor = pb_utils.get_input_tensor_by_name(request, IMAGE)
-        if tensor is None:
-            raise ValueError(f"request has no input {IMAGE!r}")
+        """The request's one image input, in its own dtype: the runner normalizes it on its device."""
+        sent = [(name, tensor) for name in self.inputs
+                if (tensor := pb_utils.get_input_tensor_by_name(request, name)) is not None]
+        if len(sent) != 1:
+            raise ValueError(f"a request sends exactly one of the inputs {', '.join(self.inputs)}; "
+                             f"this one sent {', '.join(name for name, _ in sent) or 'none'}")
+        name, tensor = sent[0]
         # Shared, not copied, wherever it is: HTTP/gRPC inputs arrive in CPU memory even on a GPU
         # instance (python_backend hands over GPU memory only for CUDA shared memory or a GPU ensemble
         # step); the runner stages CPU rows once per batch.
@@ -88,10 +97,12 @@ class TritonPythonModel:
         if not self.batched:
             image = image.unsqueeze(0)
         if image.dim() != 1 + len(self.sample_shape) or tuple(image.shape[1:]) != self.sample_shape:
-            raise ValueError(f"{IMAGE} must have shape [N, {', '.join(map(str, self.sample_shape))}], "
+            raise ValueError(f"{name} must have shape [N, {', '.join(map(str, self.sample_shape))}], "
                              f"got {list(image.shape)}")
-        if image.dtype != torch.float32:
-            raise ValueError(f"{IMAGE} must be FP32, got {image.dtype}")
+        if image.dtype != DTYPES[self.inputs[name]]:
+            raise ValueError(f"{name} must be {self.inputs[name]}, got {image.dtype}")
+        if image.dtype == torch.uint8 and self.runner.mean_std is None:
+            raise ValueError(f"{name} needs the config's mean and std parameters, which this model lacks")
         return image
 
     def _infer(self, images: list[torch.Tensor]) -> list:
@@ -138,7 +149,7 @@ def build_runner(version_dir: Path, params: dict, device: torch.device, max_batc
     # OpenVINO takes fp32 rows and runs them in the precision it resolved (engine.precision).
     runner_precision = precision if graph_engine else "fp32"
     return BatchRunner(engine, device, sample_shape, runner_precision, params.get("cuda_graphs", "0") == "1",
-                       buckets, channels_last, graph_ok=graph_engine)
+                       buckets, channels_last, graph_ok=graph_engine, mean_std=mean_std(params))
 
 
 def engine_info(model: str, engine: str, precision: str):

@@ -86,6 +86,7 @@ class Tensor:
     data_type: str  # a model_config_pb2.DataType name, e.g. "TYPE_FP32"
     dims: tuple[int, ...]
     label_filename: str = ""
+    optional: bool = False  # an input a request may leave out (Triton's ModelInput.optional)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class ModelSpec:
             max_batch_size=self.batching.max_batch_size,
         )
         for tensor in self.inputs:
-            config.input.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+            config.input.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, optional=tensor.optional)
         for tensor in self.outputs:
             config.output.add(
                 name=tensor.name, data_type=tensor.data_type, dims=tensor.dims, label_filename=tensor.label_filename

@@ -16,7 +16,7 @@ import torch
 from builder import config as cfg
 from builder import export
 from builder.weights import Classifier
-from common.contract import IMAGE, IMAGE_BYTES, LOGITS
+from common.contract import IMAGE, IMAGE_BYTES, IMAGE_INPUTS, LOGITS
 from common.procs import pid_alive
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +212,9 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
         "num_threads": str(options.num_threads), "precision": options.precision,
         "cuda_graphs": "1" if options.cuda_graphs else "0", "cudnn_benchmark": "1" if options.cudnn_benchmark else "0",
         "batch_buckets": ",".join(map(str, options.buckets)), **code, **named, **common}
-    _config(staging / c.name, image, logits, cfg.Format.PYTHON, options, classifier_parameters)
+    # NAME takes IMAGE, IMAGE_FP16 or IMAGE_UINT8 (exactly one per request, checked by the backend);
+    # the ensemble, the fused model and the exports keep the one input they read.
+    _config(staging / c.name, _image_inputs(side), logits, cfg.Format.PYTHON, options, classifier_parameters)
 
     pre = f"{c.name}_preprocess"
     _copy_backend(PREPROCESS_FILES, _model_dir(staging / pre, None))
@@ -300,9 +302,10 @@ def _model_dir(model_dir: Path, labels: str | None) -> Path:
     return version
 
 
-def _config(model_dir: Path, inp: cfg.Tensor, out: cfg.Tensor, fmt: cfg.Format, options: Options,
-            parameters: dict[str, str], steps: tuple[cfg.Step, ...] = ()) -> None:
-    spec = cfg.ModelSpec(name=model_dir.name, inputs=(inp,), outputs=(out,), format=fmt, batching=options.batching,
+def _config(model_dir: Path, inp: cfg.Tensor | tuple[cfg.Tensor, ...], out: cfg.Tensor, fmt: cfg.Format,
+            options: Options, parameters: dict[str, str], steps: tuple[cfg.Step, ...] = ()) -> None:
+    inputs = inp if isinstance(inp, tuple) else (inp,)
+    spec = cfg.ModelSpec(name=model_dir.name, inputs=inputs, outputs=(out,), format=fmt, batching=options.batching,
                          kind=options.kind, instances=options.instances, parameters=parameters, steps=steps)
     cfg.write_config(spec.to_proto(), model_dir)
 
@@ -323,6 +326,12 @@ def _swap_in(built: Path, target: Path) -> Path:
 
 def _image(side: int) -> cfg.Tensor:
     return cfg.Tensor(IMAGE, "TYPE_FP32", (3, side, side))
+
+
+def _image_inputs(side: int) -> tuple[cfg.Tensor, ...]:
+    """The python classifier's inputs, IMAGE first, all optional: a request sends one of them."""
+    return tuple(cfg.Tensor(name, f"TYPE_{dtype}", (3, side, side), optional=True)
+                 for name, dtype in IMAGE_INPUTS.values())
 
 
 def _image_bytes() -> cfg.Tensor:

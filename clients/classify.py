@@ -8,7 +8,9 @@ import numpy as np
 
 from common.cli import OneLineParser
 
-from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
+from common.contract import IMAGE as INPUT, IMAGE_INPUTS, LOGITS as OUTPUT
+
+NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "uint8": np.uint8}
 
 
 class ClientError(RuntimeError):
@@ -33,8 +35,9 @@ def model_config(triton, model: str) -> dict:
     return MessageToDict(config.config, preserving_proto_field_name=True)
 
 
-def check_model(triton, model: str) -> dict:
-    """Fail with one clear line unless `model` takes IMAGE FP32 [3,H,W] and returns LOGITS."""
+def check_model(triton, model: str, dtype: str = "fp32") -> dict:
+    """Fail with one clear line unless `model` takes IMAGE FP32 [3,H,W] (and the input of `dtype`, see
+    contract.IMAGE_INPUTS) and returns LOGITS."""
     if not triton.is_server_ready():
         raise ClientError("server is not ready")
     if not triton.is_model_ready(model):
@@ -49,6 +52,10 @@ def check_model(triton, model: str) -> dict:
     dims = [int(d) for d in image["dims"]]
     if image.get("data_type") != "TYPE_FP32" or len(dims) != 3 or dims[0] != 3:
         raise ClientError(f"{model}.{INPUT} is {image.get('data_type')} {dims}; expected TYPE_FP32 [3, H, W]")
+    name, datatype = IMAGE_INPUTS[dtype]
+    if inputs.get(name, {}).get("data_type") != f"TYPE_{datatype}":
+        raise ClientError(f"model {model!r} takes no {datatype} input {name} (inputs {sorted(inputs)}): "
+                          f"rebuild it with build-repo, or send --input-dtype fp32")
     return config
 
 
@@ -56,18 +63,19 @@ def _parameters(config: dict) -> dict[str, str]:
     return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
 
 
-def preprocess_for(config: dict):
-    """The exact preprocessing the served model expects, as build-repo recorded it in the config."""
-    from common.transforms import transform_from_parameters
+def preprocess_for(config: dict, dtype: str = "fp32"):
+    """The exact preprocessing the served model expects, as build-repo recorded it in the config; for
+    uint8 only its resize and center crop (the server normalizes those pixels)."""
+    from common.transforms import pixels_from_parameters, transform_from_parameters
 
     params = _parameters(config)
     if "crop_size" not in params and "preprocess_weights" not in params:
         raise ClientError(f"model {config.get('name')!r} records no preprocessing (crop_size, mean, std, ...); "
                           "was it built by build-repo?")
-    return transform_from_parameters(params)
+    return pixels_from_parameters(params) if dtype == "uint8" else transform_from_parameters(params)
 
 
-def load_images(paths: list[Path], transform) -> np.ndarray:
+def load_images(paths: list[Path], transform, dtype: str = "fp32") -> np.ndarray:
     from PIL import Image
 
     batch = []
@@ -77,11 +85,12 @@ def load_images(paths: list[Path], transform) -> np.ndarray:
                 batch.append(transform(image.convert("RGB")).numpy())
         except (OSError, ValueError) as exc:
             raise ClientError(f"cannot read image {path}: {exc}") from exc
-    return np.stack(batch).astype(np.float32)
+    return np.stack(batch).astype(NUMPY_DTYPES[dtype])
 
 
-def infer_logits(client, triton, model: str, batch: np.ndarray) -> np.ndarray:
-    image = client.InferInput(INPUT, list(batch.shape), "FP32")
+def infer_logits(client, triton, model: str, batch: np.ndarray, dtype: str = "fp32") -> np.ndarray:
+    name, datatype = IMAGE_INPUTS[dtype]
+    image = client.InferInput(name, list(batch.shape), datatype)
     image.set_data_from_numpy(batch)
     result = triton.infer(model, [image], outputs=[client.InferRequestedOutput(OUTPUT)])
     return result.as_numpy(OUTPUT)
@@ -107,18 +116,19 @@ def labels_for(config: dict) -> list[str]:
     return list(torchvision.models.get_weight(params["preprocess_weights"]).meta["categories"])
 
 
-def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
+def classify(paths: list[Path], url: str, protocol: str, model: str, k: int,
+             dtype: str = "fp32") -> list[list[tuple[str, float]]]:
     client, triton = connect(url, protocol)
-    config = check_model(triton, model)
+    config = check_model(triton, model, dtype)
     weights = config.get("parameters", {}).get("weights", {}).get("string_value", "")
     if weights.startswith("random"):
         print(f"WARNING: {model} serves {weights} weights: these labels are meaningless.", file=sys.stderr)
-    batch = load_images(paths, preprocess_for(config))
+    batch = load_images(paths, preprocess_for(config, dtype), dtype)
     max_batch = int(config.get("max_batch_size", 0))
     if max_batch == 0:  # unbatched model: one request per image
-        logits = np.stack([infer_logits(client, triton, model, image) for image in batch])
+        logits = np.stack([infer_logits(client, triton, model, image, dtype) for image in batch])
     else:
-        logits = np.concatenate([infer_logits(client, triton, model, batch[i:i + max_batch])
+        logits = np.concatenate([infer_logits(client, triton, model, batch[i:i + max_batch], dtype)
                                  for i in range(0, len(batch), max_batch)])
     return top_k(logits, labels_for(config), k)
 
@@ -155,12 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true",
                    help="send the files' bytes to MODEL_image (decoding and preprocessing on the server, like "
                         "TorchServe's `curl -T kitten.jpg`). Default: off (preprocess here, send tensors).")
+    p.add_argument("--input-dtype", choices=tuple(IMAGE_INPUTS), default="fp32",
+                   help="tensor path: what to send. fp32: normalized IMAGE; fp16: the same as IMAGE_FP16 (half the "
+                        "bytes); uint8: the resized and cropped pixels as IMAGE_UINT8 (a quarter; the server "
+                        "normalizes them). Default: fp32.")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error("--top-k must be >= 1")
+    if args.raw and args.input_dtype != "fp32":
+        p.error("--input-dtype applies to the tensor path; --raw sends the files' bytes")
     try:
-        run = classify_raw if args.raw else classify
-        results = run(args.images, args.url, args.protocol, args.model, args.top_k)
+        if args.raw:
+            results = classify_raw(args.images, args.url, args.protocol, args.model, args.top_k)
+        else:
+            results = classify(args.images, args.url, args.protocol, args.model, args.top_k, args.input_dtype)
     except ClientError as exc:
         print(f"classify: error: {exc}", file=sys.stderr)
         return 1

@@ -9,6 +9,12 @@ from __future__ import annotations
 IMAGE = "IMAGE"              # FP32 [N, 3, H, W]: a preprocessed image batch (the classifier's input)
 LOGITS = "LOGITS"            # FP32 [N, classes]: the classifier's output
 IMAGE_BYTES = "IMAGE_BYTES"  # BYTES [N, 1]: encoded images (JPEG, PNG, ...), the image path's input
+IMAGE_FP16 = "IMAGE_FP16"    # FP16 [N, 3, H, W]: IMAGE in half the bytes, cast to float on the device
+IMAGE_UINT8 = "IMAGE_UINT8"  # UINT8 [N, 3, H, W]: pixels 0..255 after resize + center crop, not normalized:
+                             # the classifier normalizes them on its device with the config's mean/std
+# The classifier NAME's inputs by the client's --input-dtype: (name, Triton data type). A request sends
+# exactly one; IMAGE comes first (input 0 of the config, which the ensemble and the clients read).
+IMAGE_INPUTS = {"fp32": (IMAGE, "FP32"), "fp16": (IMAGE_FP16, "FP16"), "uint8": (IMAGE_UINT8, "UINT8")}
 
 # Model config parameters that build-repo writes and the backends or clients read (string values).
 PARAMETERS = {
@@ -56,3 +62,10 @@ def parse_buckets(text: str, max_batch: int) -> list[int]:
     if sizes[-1] < max_batch:  # every batch Triton can form must fit a bucket
         sizes.append(max_batch)
     return sizes
+
+
+def mean_std(params: dict[str, str]) -> tuple[list[float], list[float]] | None:
+    """The `mean` and `std` parameters as floats; None where the config records none (older repositories)."""
+    if not params.get("mean") or not params.get("std"):
+        return None
+    return [float(x) for x in params["mean"].split(",")], [float(x) for x in params["std"].split(",")]

@@ -4,6 +4,7 @@ build-repo copies this file beside NAME_preprocess's model.py, so it must stay s
 """
 from __future__ import annotations
 
+import torch
 import torchvision
 
 
@@ -21,3 +22,18 @@ def transform_from_parameters(params: dict[str, str]):
     return ImageClassification(crop_size=int(params["crop_size"]), resize_size=int(params["resize_size"]),
                                mean=numbers("mean"), std=numbers("std"),
                                interpolation=InterpolationMode(params.get("interpolation", "bilinear")))
+
+
+def pixels_from_parameters(params: dict[str, str]):
+    """The same resize and center crop, stopping at the uint8 pixels [3, crop, crop] that the classifier's
+    IMAGE_UINT8 input takes (the server then does the [0, 1] scaling and Normalize on its device)."""
+    from torchvision.transforms import functional as F
+
+    full = transform_from_parameters(params)
+
+    def pixels(image):
+        image = F.resize(image, full.resize_size, interpolation=full.interpolation, antialias=full.antialias)
+        image = F.center_crop(image, full.crop_size)
+        return image if isinstance(image, torch.Tensor) else F.pil_to_tensor(image)
+
+    return pixels

@@ -17,7 +17,7 @@ import numpy as np
 
 from common.cli import OneLineParser
 
-from common.contract import IMAGE as INPUT
+from common.contract import IMAGE_INPUTS
 from perf.stats import STAGES, counters
 
 
@@ -34,6 +34,10 @@ def parser():
     p.add_argument("--images-per-request", type=int, default=1,
                    help="images in each tensor-path request (fewer, larger requests). Default: 1.")
     p.add_argument("--processes", type=int, default=8, help="client processes. Default: 8.")
+    p.add_argument("--input-dtype", choices=tuple(IMAGE_INPUTS), default="fp32",
+                   help="what tensor-path clients (and the in-process runner) send: fp32 IMAGE, fp16 IMAGE_FP16 "
+                        "(half the bytes) or uint8 IMAGE_UINT8 pixels (a quarter, normalized on the GPU). "
+                        "Default: fp32.")
     p.add_argument("--jpeg", type=Path, default=Path("clients/samples/chelsea.jpg"),
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
@@ -41,6 +45,14 @@ def parser():
     p.add_argument("--output", type=Path, default=Path("perf/results/gpu-resnet152.json"),
                    help="JSON written (and rewritten after every point). Default: perf/results/gpu-resnet152.json.")
     return p
+
+
+def _sample(shape, dtype: str, seed: int) -> np.ndarray:
+    """Random images as the input of `dtype` takes them: normalized floats or 0..255 pixels."""
+    rng = np.random.default_rng(seed)
+    if dtype == "uint8":
+        return rng.integers(0, 256, shape, dtype=np.uint8)
+    return rng.standard_normal(shape).astype(np.float16 if dtype == "fp16" else np.float32)
 
 
 def _client_process(url, model, kind, payload, threads, start, end, warmup, queue):
@@ -57,12 +69,13 @@ def _client_process(url, model, kind, payload, threads, start, end, warmup, queu
             tensor.set_data_from_numpy(np.array([[payload]], dtype=object))
         else:
             shape, name = payload["shape"], f"bench_{mp.current_process().pid}_{index}"
-            image = np.random.default_rng(index).standard_normal(shape).astype(np.float32)
+            image = _sample(shape, payload["dtype"], index)
             region = shared_memory.SharedMemory(name=name, create=True, size=image.nbytes)
             regions.append(region)
-            np.ndarray(shape, np.float32, region.buf)[...] = image
+            np.ndarray(shape, image.dtype, region.buf)[...] = image
             client.register_system_shared_memory(name, "/" + name, image.nbytes)
-            tensor = grpcclient.InferInput(INPUT, list(shape), "FP32")
+            input_name, datatype = IMAGE_INPUTS[payload["dtype"]]
+            tensor = grpcclient.InferInput(input_name, list(shape), datatype)
             tensor.set_shared_memory(name, image.nbytes)
         while time.monotonic() < start:
             time.sleep(0.001)
@@ -157,10 +170,10 @@ class InProcess:
         self.runner = build_runner(model_dir / "1", params, torch.device(device), max_batch, (3, 224, 224))
         self.runner.warm_up()
 
-    def measure(self, batch: int, seconds: float = 3.0) -> float:
+    def measure(self, batch: int, seconds: float = 3.0, dtype: str = "fp32") -> float:
         import torch
 
-        images = torch.from_numpy(np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32))
+        images = torch.from_numpy(_sample((batch, 3, 224, 224), dtype, 0))
         parts = list(images.split(1))  # one tensor per request, as the server hands them over
         self.runner.run(parts)
         done, begin = 0, time.perf_counter()
@@ -187,9 +200,9 @@ def _tensor_variant(item, client, server, repo, base, params, max_batch, args, r
     result["tensor"].append(entry)
     local = InProcess(repo / args.model, {**params, **change}, max_batch, "cuda" if args.kind == "gpu" else "cpu")
     for c in args.concurrency:
-        point = run_load(server.grpc_url, args.model, "tensor", {"shape": [args.images_per_request, 3, 224, 224]},
-                         c, args.seconds, args.processes)
-        point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])))
+        payload = {"shape": [args.images_per_request, 3, 224, 224], "dtype": args.input_dtype}
+        point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes)
+        point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])), dtype=args.input_dtype)
         point["served_over_inprocess"] = point["images_per_s"] / point["inprocess_images_per_s"]
         entry["points"].append(point)
         print(json.dumps({"variant": item, **point}), flush=True)
@@ -204,7 +217,8 @@ def _unbatched(client, server, base, best, args, result):
     change = best[0] if best else {}
     reload(client, args.model, base, max_batch_size=0, parameters=change)
     c = max(args.concurrency)
-    point = run_load(server.grpc_url, args.model, "tensor", {"shape": [3, 224, 224]}, c, args.seconds, args.processes)
+    payload = {"shape": [3, 224, 224], "dtype": args.input_dtype}
+    point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes)
     result["unbatched"].append({**change, **point})
     print(json.dumps({"unbatched": True, **point}), flush=True)
     batched = [p for e in result["tensor"] if best and e["precision"] == change["precision"]
@@ -256,7 +270,8 @@ def main(argv=None) -> int:
     result = {"command": " ".join(["python -m perf.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name(0) if args.kind == "gpu" else "cpu", "torch": torch.__version__, "model": args.model,
               "client": f"{args.processes} processes, gRPC, {args.images_per_request} image(s) per tensor request, "
-                        "tensors via system shared memory",
+                        f"{args.input_dtype} tensors via system shared memory",
+              "input_dtype": args.input_dtype,
               "seconds_per_point": args.seconds, "tensor": [], "unbatched": [], "jpeg": []}
 
     def save():

@@ -27,8 +27,13 @@ def test_build_repo_writes_config_with_requested_batching_when_given_issue_argum
     assert config.name == SMALL and config.backend == "python"
     assert config.max_batch_size == 8
     assert config.dynamic_batching.max_queue_delay_microseconds == 2000
-    assert [t.name for t in config.input] == ["IMAGE"] and list(config.input[0].dims) == [3, 224, 224]
-    assert config.input[0].data_type == mc.TYPE_FP32
+    # IMAGE first (the ensemble and the clients read input 0), then the compact inputs; a request sends one.
+    assert [t.name for t in config.input] == ["IMAGE", "IMAGE_FP16", "IMAGE_UINT8"]
+    assert [t.data_type for t in config.input] == [mc.TYPE_FP32, mc.TYPE_FP16, mc.TYPE_UINT8]
+    assert all(list(t.dims) == [3, 224, 224] and t.optional for t in config.input)
+    ensemble = read_config(built / f"{SMALL}_image")
+    assert [t.name for t in ensemble.input] == ["IMAGE_BYTES"] and not ensemble.input[0].optional
+    assert dict(ensemble.ensemble_scheduling.step[1].input_map) == {"IMAGE": "image"}
     assert [t.name for t in config.output] == ["LOGITS"] and list(config.output[0].dims) == [1000]
     assert config.output[0].label_filename == "labels.txt"
     assert config.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU

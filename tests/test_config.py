@@ -33,6 +33,13 @@ def test_config_round_trips_through_model_config_when_written_and_parsed(tmp_pat
     assert parsed.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
 
 
+def test_config_marks_input_optional_only_when_the_tensor_says_so():
+    inputs = (cfg.Tensor("IMAGE", "TYPE_FP32", (3, 224, 224), optional=True),
+              cfg.Tensor("IMAGE_UINT8", "TYPE_UINT8", (3, 224, 224), optional=True))
+    assert [t.optional for t in _spec(inputs=inputs).to_proto().input] == [True, True]
+    assert [t.optional for t in _spec().to_proto().input] == [False]
+
+
 def test_config_has_no_dynamic_batching_when_max_batch_size_is_zero():
     config = _spec(batching=cfg.Batching(0, 0, ())).to_proto()
     assert config.max_batch_size == 0

@@ -1,4 +1,5 @@
 """Triton's own load generator, installed by setup, drives our models."""
+import json
 import re
 import subprocess
 import sys
@@ -9,11 +10,15 @@ from support import SMALL
 PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 
 
-def test_perf_analyzer_reports_throughput_when_run_against_the_classifier(server):
+def test_perf_analyzer_reports_throughput_when_run_against_the_classifier(server, tmp_path):
     assert PERF_ANALYZER.is_file(), "setup installs it: tools/install_perf_analyzer.sh"
+    # Random data would fill every input, the optional IMAGE_FP16 / IMAGE_UINT8 too (a request sends one):
+    # input data naming IMAGE alone leaves the optional ones out.
+    data = tmp_path / "image.json"
+    data.write_text(json.dumps({"data": [{"IMAGE": {"content": [0.0] * (3 * 224 * 224), "shape": [3, 224, 224]}}]}))
     result = subprocess.run(
         [str(PERF_ANALYZER), "-m", SMALL, "-u", server.http_url, "-i", "http", "-b", "1",
-         "--shape", "IMAGE:3,224,224", "--concurrency-range", "2", "--measurement-mode", "count_windows",
+         "--input-data", str(data), "--concurrency-range", "2", "--measurement-mode", "count_windows",
          "--measurement-request-count", "8", "--max-trials", "10",
          # perf_analyzer exits non-zero unless 3 windows in a row agree within this percentage. Windows of
          # 8 requests on a shared 2-core machine can differ 2x ("Failed to obtain stable measurement"):
