@@ -40,6 +40,8 @@ def parser():
                         "Default: fp32.")
     p.add_argument("--jpeg", type=Path, default=Path("clients/samples/chelsea.jpg"),
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
+    p.add_argument("--image-model", choices=("auto", "ensemble", "fused"), default="auto",
+                   help="what NAME_image is (build-repo --image-model). Default: auto (fused on gpu).")
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                    help="cpu: a smoke run of this script without a GPU (plan items fp32:0 only). Default: gpu.")
     p.add_argument("--output", type=Path, default=Path("perf/results/gpu-resnet152.json"),
@@ -113,7 +115,7 @@ def _client_process(url, model, kind, payload, threads, start, end, warmup, queu
     queue.put(results)
 
 
-def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=1.0) -> dict:
+def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=1.0, stats_model=None) -> dict:
     import tritonclient.grpc as grpcclient
 
     ctx = mp.get_context("spawn")  # gRPC and fork do not mix
@@ -127,7 +129,8 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
     for w in workers:
         w.start()
     stats = grpcclient.InferenceServerClient(url)
-    target = model if kind != "jpeg" else model.removesuffix("_image")
+    # Whose batches Triton's statistics count: the classifier (behind an ensemble) unless told otherwise.
+    target = stats_model or (model if kind != "jpeg" else model.removesuffix("_image"))
     time.sleep(max(0.0, start + warmup - time.monotonic()))
     before = counters(stats, target)
     completions = [c for _ in workers for c in queue.get()]
@@ -234,17 +237,25 @@ def _jpeg(client, server, base, best, args, result):
     if best and result.get("loaded") != best[0]:  # the JPEG path runs the best tensor config
         reload(client, args.model, base, parameters=best[0])
         result["loaded"] = best[0]
-    pre = f"{args.model}_preprocess"
-    pre_base = client.get_model_config(pre, as_json=True)["config"]
+    image = f"{args.model}_image"
+    image_base = client.get_model_config(image, as_json=True)["config"]
+    fused = image_base.get("backend") == "python"  # --image-model fused (the GPU default): one stub
+    # Fused: NAME_image runs the best tensor config itself and decodes where told; ensemble: its
+    # preprocess step decodes where told, the classifier runs the best config.
+    target = image if fused else f"{args.model}_preprocess"
+    target_base = image_base if fused else client.get_model_config(target, as_json=True)["config"]
     payload = args.jpeg.read_bytes()
     result["jpeg_file"] = f"{args.jpeg.name} ({len(payload)} bytes)"
+    result["jpeg_model"] = "fused" if fused else "ensemble"
     for where in ("gpu", "cpu"):
-        reload(client, pre, pre_base, parameters={"decode_device": where})
+        reload(client, target, target_base,
+               parameters={"decode_device": where, **(best[0] if fused and best else {})})
         for c in args.concurrency:
-            point = run_load(server.grpc_url, f"{args.model}_image", "jpeg", payload, c, args.seconds, args.processes)
+            point = run_load(server.grpc_url, image, "jpeg", payload, c, args.seconds, args.processes,
+                             stats_model=image if fused else None)
             result["jpeg"].append({"decode": where, **(best[0] if best else {}), **point})
             print(json.dumps({"jpeg": where, **point}), flush=True)
-    reload(client, pre, pre_base)
+    reload(client, target, target_base)
     tensor_best = result.get("served_images_per_s")
     gpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "gpu"), default=0)
     cpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "cpu"), default=0)
@@ -265,7 +276,7 @@ def main(argv=None) -> int:
     repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
     first = next((item.split(":") for item in args.plan if ":" in item), ["fp32", "0"])
     if build_repo.main(["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", args.kind,
-                        "--precision", first[0], "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
+                        "--image-model", args.image_model, "--precision", first[0], "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
         return 1
     result = {"command": " ".join(["python -m perf.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name(0) if args.kind == "gpu" else "cpu", "torch": torch.__version__, "model": args.model,
