@@ -40,6 +40,9 @@ def parser():
                         "Default: fp32.")
     p.add_argument("--jpeg", type=Path, default=Path("clients/samples/chelsea.jpg"),
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
+    p.add_argument("--instances", type=int, default=None,
+                   help="classifier (and fused model) instances (build-repo --instances). Default: build-repo's "
+                        "(2 on gpu). Instances x precision: run once per count, e.g. 1, 2, 4.")
     p.add_argument("--image-model", choices=("auto", "ensemble", "fused"), default="auto",
                    help="what NAME_image is (build-repo --image-model). Default: auto (fused on gpu).")
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
@@ -276,13 +279,14 @@ def main(argv=None) -> int:
     repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
     first = next((item.split(":") for item in args.plan if ":" in item), ["fp32", "0"])
     if build_repo.main(["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", args.kind,
-                        "--image-model", args.image_model, "--precision", first[0], "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
+                        "--image-model", args.image_model, "--precision", first[0],
+                        *(["--instances", str(args.instances)] if args.instances else []), "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
         return 1
     result = {"command": " ".join(["python -m perf.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name(0) if args.kind == "gpu" else "cpu", "torch": torch.__version__, "model": args.model,
               "client": f"{args.processes} processes, gRPC, {args.images_per_request} image(s) per tensor request, "
                         f"{args.input_dtype} tensors via system shared memory",
-              "input_dtype": args.input_dtype,
+              "input_dtype": args.input_dtype, "instances": args.instances or "build-repo's default",
               "seconds_per_point": args.seconds, "tensor": [], "unbatched": [], "jpeg": []}
 
     def save():

@@ -10,10 +10,11 @@ from perf import gpu_bench
 def test_gpu_bench_runs_the_tensor_and_jpeg_points_when_smoke_run_on_cpu(tmp_path, image_model):
     out = tmp_path / "gpu.json"
     status = gpu_bench.main(["--kind", "cpu", "--model", "resnet18", "--image-model", image_model, "--plan", "fp32:0",
-                             "jpeg", "--concurrency", "2", "--seconds", "1", "--processes", "1", "--output", str(out)])
+                             "jpeg", "--concurrency", "2", "--seconds", "1", "--processes", "1", "--instances", "1",
+                             "--output", str(out)])
     assert status == 0
     result = json.loads(out.read_text())
-    assert result["jpeg_model"] == image_model
+    assert result["jpeg_model"] == image_model and result["instances"] == 1
     assert [p["decode"] for p in result["jpeg"]] == ["gpu", "cpu"]
     for point in result["tensor"][0]["points"] + result["jpeg"]:
         assert point["requests"] > 0 and point["errors"] == 0
