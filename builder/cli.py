@@ -34,6 +34,13 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _delay_ms(text: str) -> int:
     value = float(text)
     if value < 0:
@@ -49,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
                    help="migrate a TorchServe model archive: its weights (served with torchvision's code when they "
                         "fit a torchvision architecture exactly), index_to_name.json, handler preprocessing "
                         "(image_classifier) and model-config.yaml batching (flags override).")
+    p.add_argument("--max-archive-gb", type=_positive_float, default=mar.DEFAULT_MAX_EXTRACTED_BYTES / (1 << 30),
+                   help="with --from-mar: the most an archive may expand to when extracted, in GiB; refused before "
+                        "extracting (declared sizes) and while extracting (bytes counted). Default: 8.")
     p.add_argument("--model-file", type=Path, metavar="FILE.py",
                    help="your model code (TorchServe's convention: one nn.Module class, no-argument constructor); "
                         "needs --weights PATH and the preprocessing (--preprocess or --resize/--crop/--mean/--std).")
@@ -175,7 +185,7 @@ def _main(args, workdir: Path) -> int:
     try:
         check_source(args)  # before reading an archive
         if args.from_mar is not None:
-            archive = mar.read(args.from_mar, workdir / "archive")
+            archive = mar.read(args.from_mar, workdir / "archive", int(args.max_archive_gb * (1 << 30)))
         plan = make_plan(args, archive)
     except cfg.ConfigError as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)

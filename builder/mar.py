@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -11,7 +12,13 @@ from builder.weights import WeightsError
 MANIFEST = "MAR-INF/MANIFEST.json"
 # TorchServe's built-in handler whose preprocessing we reproduce exactly (builder.weights.IMAGENET).
 IMAGE_CLASSIFIER = ("image_classifier", "ts.torch_handler.image_classifier")
-MAX_MEMBER_BYTES = 4 << 30  # a zip bomb's member claims more
+# What a migration extracts, in all (the weights dominate: ResNet-152 is 0.24 GB, ViT-H/14 2.5 GB); more
+# is refused before a byte is written. `build-repo --max-archive-gb` changes it.
+DEFAULT_MAX_EXTRACTED_BYTES = 8 << 30
+# Model weights barely compress (float32: ~1.1x in a zip); a member that claims more than this many times
+# its compressed size, and more than RATIO_FLOOR_BYTES, is a zip bomb (4 GB of zeros: ~1000x).
+MAX_RATIO = 100
+RATIO_FLOOR_BYTES = 16 << 20
 
 
 class ArchiveError(WeightsError):
@@ -68,41 +75,72 @@ def manifest(path: Path) -> dict:
     return data
 
 
-def read(path: Path, workdir: Path) -> Archive:
-    """Extract what a migration needs into `workdir` (nothing outside it, nothing executed)."""
+def read(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES) -> Archive:
+    """Extract what a migration needs into `workdir` (nothing outside it, nothing executed, at most
+    `max_bytes` in all: checked on the sizes the archive declares before extracting, and counted while
+    extracting, since a crafted archive can declare less than it holds)."""
     model = manifest(path)["model"]
     serialized = model.get("serializedFile")
     if not serialized:
         raise ArchiveError(f"{path}: the manifest names no serializedFile (weights)")
     with zipfile.ZipFile(path) as archive:
         members = {info.filename: info for info in archive.infolist() if not info.is_dir()}
-
-        def extract(name: str, what: str) -> Path:
-            if name not in members:
+        for name, what in ((serialized, "serializedFile"), (model.get("modelFile"), "modelFile")):
+            if name and name not in members:
                 raise ArchiveError(f"{path}: the manifest's {what} {name!r} is not in the archive")
+        wanted = [serialized, *([model["modelFile"]] if model.get("modelFile") else []),
+                  *(name for name in members if name not in (serialized, model.get("modelFile"), MANIFEST)
+                    and not name.startswith("MAR-INF/") and "/" not in name)]  # extra files sit at the root
+        _check_sizes(path, [members[name] for name in wanted], max_bytes)
+        written = [0]
+
+        def extract(name: str) -> Path:
             info = members[name]
             parts = PurePosixPath(name).parts
             if PurePosixPath(name).is_absolute() or ".." in parts:
                 raise ArchiveError(f"{path}: member {name!r} points outside the archive")
-            if info.file_size > MAX_MEMBER_BYTES:
-                raise ArchiveError(f"{path}: member {name!r} claims {info.file_size:,} bytes")
             target = workdir.joinpath(*parts)
             target.parent.mkdir(parents=True, exist_ok=True)
             with archive.open(info) as source, open(target, "wb") as sink:
                 while chunk := source.read(1 << 20):
+                    written[0] += len(chunk)
+                    if written[0] > max_bytes:
+                        sink.close()
+                        target.unlink()
+                        raise ArchiveError(f"{path}: member {name!r} expands past the {_gb(max_bytes)} limit on "
+                                           "what a migration extracts (the archive declares less than it holds); "
+                                           "nothing was written")
                     sink.write(chunk)
             return target
 
-        weights = extract(serialized, "serializedFile")
-        model_file = extract(model["modelFile"], "modelFile") if model.get("modelFile") else None
-        extra = [extract(name, "extra file") for name in members
-                 if name not in (serialized, model.get("modelFile"), MANIFEST) and not name.startswith("MAR-INF/")
-                 and "/" not in name]  # extra files sit at the archive's root
+        try:
+            weights = extract(serialized)
+            model_file = extract(model["modelFile"]) if model.get("modelFile") else None
+            extra = [extract(name) for name in wanted[1 + (model_file is not None):]]
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # e.g. a member longer than it declares
+            raise ArchiveError(f"{path} is corrupt ({exc}); nothing was written") from None
     labels = next((p for p in extra if p.name == "index_to_name.json"), None)
     config_name = model.get("configFile") or "model-config.yaml"
     config_file = next((p for p in extra if p.name == config_name), None)
     return Archive(path, model["modelName"], str(model.get("handler") or ""), weights, model_file,
                    [p for p in extra if p.suffix == ".py"], labels, _yaml(config_file) if config_file else {})
+
+
+def _check_sizes(path: Path, infos: list[zipfile.ZipInfo], max_bytes: int) -> None:
+    """Refuse, before extracting anything, a zip bomb's member or more than `max_bytes` in all."""
+    for info in infos:
+        if info.file_size > RATIO_FLOOR_BYTES and info.file_size > MAX_RATIO * max(info.compress_size, 1):
+            raise ArchiveError(f"{path}: member {info.filename!r} claims {info.file_size:,} bytes from "
+                               f"{info.compress_size:,} compressed (over {MAX_RATIO}x: model weights barely "
+                               "compress); refusing to extract it")
+    total = sum(info.file_size for info in infos)
+    if total > max_bytes:
+        raise ArchiveError(f"{path}: its members claim {total:,} bytes, over the {_gb(max_bytes)} limit on what a "
+                           "migration extracts (--max-archive-gb raises it)")
+
+
+def _gb(size: int) -> str:
+    return f"{size / (1 << 30):g} GiB"
 
 
 def _yaml(path: Path) -> dict:
