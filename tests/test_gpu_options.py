@@ -57,8 +57,8 @@ def test_build_repo_writes_gpu_defaults_when_kind_is_gpu(tmp_path):
     assert uses_gpu(tmp_path)
 
 
-def test_build_repo_puts_preprocess_on_gpu_when_decode_device_is_gpu(tmp_path):
-    build(tmp_path, "--kind", "gpu", "--decode-device", "gpu")
+def test_build_repo_puts_preprocess_on_gpu_when_the_ensemble_decodes_on_gpu(tmp_path):
+    build(tmp_path, "--kind", "gpu", "--image-model", "ensemble", "--decode-device", "gpu")
     pre = read_config(tmp_path / f"{SMALL}_preprocess")
     assert pre.instance_group[0].kind == mc.ModelInstanceGroup.KIND_GPU
     assert pre.parameters["decode_device"].string_value == "gpu"
