@@ -131,14 +131,19 @@ class OpenVino:
         return torch.from_numpy(result[self.output].copy())
 
 
+def cpuinfo(field: str) -> str:
+    """The first `field` of /proc/cpuinfo ("model name", "flags"); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == field), "")
+    except OSError:
+        return ""
+
+
 def cpu_bf16() -> bool:
     """True where the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16): elsewhere oneDNN emulates it,
     slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpuinfo("flags").split()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 

@@ -235,7 +235,7 @@ def machine() -> dict:
     import tritonclient
 
     return {"device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(),
-            "cpu_model": _cpuinfo("model name"), "isa": _isa(), "cpus": __import__("os").cpu_count(),
+            "cpu_model": cpuinfo("model name"), "isa": _isa(), "cpus": __import__("os").cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "tritonclient": getattr(tritonclient, "__version__", "?"), "platform": platform.platform()}
 
@@ -244,16 +244,15 @@ def machine() -> dict:
 ISA_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 
 
-def _cpuinfo(field: str) -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or "?"
-    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == field), "?")
+def cpuinfo(field: str) -> str:
+    """A /proc/cpuinfo field, as the backend reads it (backends.engines.cpuinfo); "?" for an unknown CPU model."""
+    from backends.engines import cpuinfo as read
+
+    return read(field) or (platform.processor() or "?" if field == "model name" else "")
 
 
 def _isa() -> list[str]:
-    flags = set(_cpuinfo("flags").split())
+    flags = set(cpuinfo("flags").split())
     return [flag for flag in ISA_FLAGS if flag in flags]
 
 

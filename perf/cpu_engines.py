@@ -27,13 +27,13 @@ from pathlib import Path
 from common.cli import OneLineParser
 from perf import loadgen
 from perf.bench import InProcess, machine
+from perf.samples import CAT as SAMPLE
 
 VARIANTS = ["openvino:auto", "openvino:fp32", "openvino:int8", "onnxruntime:fp32", "torch:fp32", "torch:bf16"]
 # (label, dynamic batching?, max_queue_delay_us, keep build-repo's queue bounds?, classifier instances),
 # the batching applied to both stubs. Max batch stays 8 throughout (no dynamic batcher: batch 1).
 SWEEP = [("unbatched", False, 0, True, 1), ("b8 d0", True, 0, True, 1), ("b8 d0, no queue bounds", True, 0, False, 1),
          ("b8 d2ms", True, 2_000, True, 1), ("b8 d5ms", True, 5_000, True, 1), ("b8 d0, 2 instances", True, 0, True, 2)]
-SAMPLE = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
 # scikit-image's photos other than the served cat: int8's calibration set (crops of each, as in the tests).
 CALIBRATION = ("astronaut", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "stereo_motorcycle")
 

@@ -28,22 +28,18 @@ import numpy as np
 
 from common.cli import OneLineParser
 from perf import torchserve
+from perf.bench import ISA_FLAGS as ISA, cpuinfo
 from perf.loadgen import interval_rate
+from perf.samples import CAT as SAMPLE
 
-SAMPLE = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
-# The ISA extensions that decide CPU inference speed (AMX and AVX-512 BF16/VNNI for low precision).
-ISA = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "avx2")
 MODEL = "resnet152"
 
 
 def cpu() -> dict:
-    """The CPU as /proc/cpuinfo names it, the ISA flags above, and the cores this process may use."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-    flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
-    flag_set = set(flags.group(1).split()) if flags else set()
-    return {"model": name.group(1).strip() if name else platform.processor() or "unknown",
-            "isa": {flag: flag in flag_set for flag in ISA},
+    """The CPU as /proc/cpuinfo names it, the ISA flags that decide CPU inference speed (perf.bench's), and
+    the cores this process may use."""
+    flags = set(cpuinfo("flags").split())
+    return {"model": cpuinfo("model name"), "isa": {flag: flag in flags for flag in ISA},
             "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
 
 
