@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torchvision
 
 try:  # in Triton: the version folder, which holds copies of these, is on sys.path
     from contract import IMAGE, LOGITS
@@ -46,6 +45,8 @@ def load_engine(version_dir: Path, params: dict, device: torch.device, memory_fo
         if params.get("model_file"):  # the user's own model code, copied into the version folder
             model = import_model_class(version_dir / params["model_file"], params.get("model_class") or None)()
         else:
+            import torchvision  # only here: it adds ~2 s to every stub's start
+
             model = torchvision.models.get_model(params["torchvision_model"], weights=None,
                                                  num_classes=int(params.get("num_classes", 1000)))
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

@@ -1,11 +1,17 @@
-"""Watch a running tritonserver: restart it when it dies, reload a model whose stub died.
+"""Watch a running tritonserver: restart it when it dies, replace the instances of a model whose stub died.
 
 Triton 2.51 does neither by itself (measured): a killed python-backend stub leaves its model READY
 while every request fails with "Stub process ... is not healthy", and a repository `load` of the
-unchanged model is a no-op; `unload` followed by `load` starts fresh stubs and serves again.
+unchanged model is a no-op. `unload` + `load` serves again, but with a request in flight when the stub
+died the unload never finishes (python_backend 24.10 leaks that batch's response factories, each holding
+the model), so the model's stubs, threads and shared memory stay behind. What works, measured under
+traffic: a `load` whose config differs from the served one only in the instance group's signature.
+Triton then creates new instances next to the old ones while the model keeps serving, swaps them in and
+removes the old: the model is never unloaded, nothing leaks, and a second instance keeps answering.
 """
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -125,7 +131,7 @@ class Supervisor:
                 continue  # seen dead once: a deliberate unload flips READY first; look again next poll
             for other in [k for k in self._suspects if k[0] == model]:
                 del self._suspects[other]
-            self.reload(model, "its stubs died" if instance == "all" else f"its stub {instance} died")
+            self.reload(model, "its stubs died" if instance == "all" else f"its stub {instance} died", instance)
             reloaded.append(model)
         return reloaded
 
@@ -161,9 +167,28 @@ class Supervisor:
             if self._stop.wait(0.05):
                 raise ServerError("stopped while unloading")
 
-    def reload(self, model: str, why: str) -> None:
+    def reload(self, model: str, why: str, instance: str = "all") -> None:
+        """Bring `model` back after a stub died: its instances replaced in place (the model stays loaded and
+        its other instances keep serving); if Triton refuses that, unloaded and loaded again."""
         started = time.monotonic()
-        self.log(f"serve-repo: {model}: {why}; reloading (not ready until it is back)")
+        self.log(f"serve-repo: {model}: {why}; replacing its instances (the model stays loaded)")
+        try:
+            config = self.server.model_config(model)
+            self._interruptible(lambda: self.server.repository_api(
+                "load", model, body={"parameters": {"config": json.dumps(renewed(config, instance))}}))
+        except ServerError as error:
+            if self._stop.is_set():
+                self.log(f"serve-repo: {model}: reload failed: {error}")
+                return
+            self.log(f"serve-repo: {model}: replacing in place failed ({error}); reloading")
+        else:
+            self.reloads += 1
+            self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
+            return
+        self.reload_whole(model, started)
+
+    def reload_whole(self, model: str, started: float) -> None:
+        """unload + load: the model is not ready until it is back."""
         try:
             self.server.repository_api("unload", model)
             # Triton answers the unload at once and unloads in the background (~1 s with a dead stub);
@@ -176,3 +201,18 @@ class Supervisor:
             return
         self.reloads += 1
         self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
+
+
+def renewed(config: dict, instance: str = "all") -> dict:
+    """`config` (Triton's JSON) with a new signature for the instance group that holds `instance` (all groups
+    for "all" or an instance no group names): its rate_limiter priority toggled between 1 and 2. Triton
+    compares groups by everything but name and count, so it replaces exactly those instances; the priority
+    weighs nothing unless tritonserver runs with --rate-limit (off by default)."""
+    config = json.loads(json.dumps(config))
+    groups = config.get("instance_group") or []
+    named = [g for g in groups if instance.startswith(f"{g.get('name', '')}_")
+             and instance[len(g.get("name", "")) + 1:].isdigit()]
+    for group in named or groups:
+        limiter = group.setdefault("rate_limiter", {})
+        limiter["priority"] = 2 if int(limiter.get("priority") or 0) == 1 else 1
+    return config

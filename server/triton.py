@@ -168,10 +168,20 @@ class TritonServer:
     def model_ready(self, name: str) -> bool:
         return self._get(f"/v2/models/{name}/ready") == 200
 
-    def repository_api(self, action: str, model: str | None = None, timeout: float = 600) -> dict | list:
+    def model_config(self, name: str) -> dict:
+        """The configuration Triton serves `name` with (its JSON form)."""
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{name}/config", timeout=10) as reply:
+                return json.loads(reply.read())
+        except (OSError, ValueError) as error:
+            raise ServerError(f"config of {name}: {error}") from None
+
+    def repository_api(self, action: str, model: str | None = None, timeout: float = 600,
+                       body: dict | None = None) -> dict | list:
         """POST to Triton's repository API (index, load, unload), with our admin key when it is restricted."""
         path = f"/v2/repository/models/{model}/{action}" if model else f"/v2/repository/{action}"
-        request = urllib.request.Request(f"http://{self.http_url}{path}", data=b"{}", method="POST")
+        request = urllib.request.Request(f"http://{self.http_url}{path}", data=json.dumps(body or {}).encode(),
+                                         method="POST")
         if self.admin_key:
             request.add_header("triton-admin-key", self.admin_key)
         try:
