@@ -20,9 +20,25 @@ class ClientError(RuntimeError):
 def connect(url: str, protocol: str):
     if protocol == "grpc":
         import tritonclient.grpc as client
-    else:
-        import tritonclient.http as client
+
+        return client, grpc_client(url)
+    import tritonclient.http as client
+
     return client, client.InferenceServerClient(url)
+
+
+def grpc_client(url: str, max_reconnect_ms: int = 1000):
+    """tritonclient's gRPC client, reconnecting at most `max_reconnect_ms` apart once the server went away.
+    gRPC's own backoff grows to 120 s: after serve-repo restarted tritonserver (~10 s), a default client
+    kept failing "failed to connect to all addresses" for seconds more (measured: 17 s vs HTTP's 11 s)."""
+    import tritonclient.grpc as grpcclient
+
+    size = grpcclient.MAX_GRPC_MESSAGE_SIZE  # what tritonclient sets when it chooses the channel arguments
+    return grpcclient.InferenceServerClient(url, channel_args=[
+        ("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size),
+        ("grpc.initial_reconnect_backoff_ms", min(200, max_reconnect_ms)),
+        ("grpc.min_reconnect_backoff_ms", min(200, max_reconnect_ms)),
+        ("grpc.max_reconnect_backoff_ms", max_reconnect_ms)])
 
 
 def model_config(triton, model: str) -> dict:

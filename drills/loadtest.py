@@ -20,12 +20,13 @@ from drills.mixed import Sender, Tally, build_cases, reference_for, schedule
 SEED = 0
 
 
-def build_small_repo(model: str, into: Path) -> Path:
+def build_small_repo(model: str, into: Path, instances: int = 1) -> Path:
+    """Random weights (seed SEED) in fp32: the drills compare answers with in-process torch within 1e-4."""
     from builder import cli as build_repo
 
     repo = into / "repo"
     status = build_repo.main(["--model", model, "--weights", "random", "--seed", str(SEED), "--output", str(repo),
-                              "--kind", "cpu"])
+                              "--kind", "cpu", "--instances", str(instances), "--precision", "fp32"])
     if status:
         raise SystemExit(f"build-repo failed ({status})")
     return repo

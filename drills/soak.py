@@ -1,11 +1,16 @@
 """Soak: mixed traffic (drills.mixed) for a fixed time while recording the memory of tritonserver and of
-each stub (RSS) and the python backend's shared memory in /dev/shm; writes JSON and a plot.
+each stub (RSS) and the python backend's shared memory in /dev/shm; writes JSON and a plot. With
+--kill-every, the server is supervised as serve-repo runs it and a stub (the model's, then the
+preprocess one's, in turn) is killed every so many seconds: each recovery is timed, and every failed
+request must fall inside a fault's window (from the kill to its recovery plus the queue timeout).
 
-    python -m drills.soak --minutes 10 --concurrency 8 --out drills/results/soak
+    python -m drills.soak --minutes 30 --kill-every 180 --out drills/results/soak-faults-resnet18
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import tempfile
 import threading
@@ -17,6 +22,8 @@ from drills.loadtest import SEED, build_small_repo, served_transform
 from drills.mixed import Sender, Tally, build_cases, process_memory, reference_for, schedule
 
 MB = 1 << 20
+HANG_LIMIT = 60.0  # seconds: a request without an answer by then counts as hung (the queue timeout is 10 s)
+WINDOW_SLACK = 10.0  # a fault's window: kill .. recovery + this (requests queued behind it may time out)
 
 
 def shm_bytes(prefix: str) -> int:
@@ -53,7 +60,7 @@ def growth(samples: list[dict], key, warmup: float) -> dict:
             "max_mb": round(max(v for _, v in values) / MB, 1)}
 
 
-def plot(samples: list[dict], models: list[str], path: Path) -> None:
+def plot(samples: list[dict], models: list[str], path: Path, kills: list[float] = ()) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -71,10 +78,14 @@ def plot(samples: list[dict], models: list[str], path: Path) -> None:
     mem.grid(alpha=0.3)
     done = [s["requests"] for s in samples]
     rate.plot(t[1:], [(b - a) / max(tb - ta, 1e-9) / 60 for a, b, ta, tb in zip(done, done[1:], t, t[1:])])
+    for axis in (mem, rate):
+        for at in kills:
+            axis.axvline(at, color="red", alpha=0.3, linewidth=1)
     rate.set_ylabel("requests/s")
     rate.set_xlabel("minutes")
     rate.grid(alpha=0.3)
-    fig.suptitle("Soak: mixed good/bad requests, both models, HTTP+gRPC")
+    fig.suptitle("Soak: mixed good/bad requests, both models, HTTP+gRPC"
+                 + (f"; a stub killed at each red line ({len(kills)})" if kills else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -88,50 +99,82 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=60, help="seconds left out of the growth figure. Default: 60.")
     p.add_argument("--out", type=Path, default=Path("drills/results/soak"),
                    help="writes OUT.json and OUT.png. Default: drills/results/soak.")
+    p.add_argument("--kill-every", type=float, default=0,
+                   help="seconds between stub kills (kill -9), the supervisor bringing them back; 0: none. "
+                        "Default: 0.")
     args = p.parse_args(argv)
 
+    from server.supervisor import Supervisor
     from server.triton import TritonServer
 
     models = [args.model, f"{args.model}_preprocess"]
+    supervised = []  # (seconds since start, line) from the supervisor
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         repo = build_small_repo(args.model, Path(tmp))
         with TritonServer.local(repo) as server:
             cases = build_cases(args.model, reference_for(args.model, SEED),
                                 served_transform(server.http_url, args.model))
-            tally, stop = Tally(), threading.Event()
+            tally, stop, timed = Tally(), threading.Event(), []
             started = time.monotonic()
             samples = [sample(server, tally, started)]
+            supervisor = Supervisor(server, log=lambda line: supervised.append(
+                (round(time.monotonic() - started, 2), line)))
 
             def worker(index: int):
-                sender = Sender(server.http_url, server.grpc_url, tally)
+                sender = Sender(server.http_url, server.grpc_url, tally, timeout=HANG_LIMIT)
                 rounds = 0
                 while not stop.is_set():
                     for case in schedule(cases, 100, seed=index * 100_003 + rounds):
                         if stop.is_set():
                             break
-                        sender.send(case)
+                        sent = time.monotonic() - started
+                        outcome = sender.send(case)
+                        timed.append((sent, time.monotonic() - started, case.good, outcome))
                     rounds += 1
                 sender.close()
 
+            def observe():  # samples memory; kills a stub every --kill-every seconds
+                kills, deadline = [], started + args.minutes * 60
+                next_kill = started + args.kill_every if args.kill_every else float("inf")
+                while time.monotonic() < deadline:
+                    time.sleep(max(0.0, min(args.every, deadline - time.monotonic(), next_kill - time.monotonic())))
+                    if time.monotonic() >= next_kill:
+                        model = models[len(kills) % len(models)]
+                        stub = next((s for s in server.stubs() if s.model == model and s.alive), None)
+                        if stub is not None:
+                            os.kill(stub.pid, signal.SIGKILL)
+                            kills.append({"t": round(time.monotonic() - started, 2), "model": model})
+                        next_kill += args.kill_every
+                        continue
+                    samples.append(sample(server, tally, started))
+                    print(f"{samples[-1]['t']:7.0f}s  requests {samples[-1]['requests']:7d}  tritonserver "
+                          f"{samples[-1]['tritonserver_rss'] / MB:7.1f} MB  shm {samples[-1]['shm'] / MB:6.1f} MB  "
+                          f"kills {len(kills)}", flush=True)
+                stop.set()
+                observed.extend(kills)
+
+            observed: list[dict] = []
             threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
+            threads.append(threading.Thread(target=observe))
             for thread in threads:
                 thread.start()
-            deadline = started + args.minutes * 60
-            while time.monotonic() < deadline:
-                time.sleep(min(args.every, max(0.0, deadline - time.monotonic())))
-                samples.append(sample(server, tally, started))
-                print(f"{samples[-1]['t']:7.0f}s  requests {samples[-1]['requests']:7d}  tritonserver "
-                      f"{samples[-1]['tritonserver_rss'] / MB:7.1f} MB  shm {samples[-1]['shm'] / MB:6.1f} MB",
-                      flush=True)
-            stop.set()
+            status = supervisor.run(stop)  # in this thread, which started the server (see Supervisor)
             for thread in threads:
                 thread.join()
-            ready_after = server.ready()
+            ready_after = server.ready() and all(server.model_ready(m) for m in models)
+    faults = recoveries(observed, supervised)
+    windows = [(f["t"], f["t"] + (f["ready_again_after_s"] or 1e9) + WINDOW_SLACK) for f in faults]
+    failed = [(sent, done) for sent, done, good, outcome in timed if good and outcome != "ok"]
     summary = {
         "model": args.model, "minutes": args.minutes, "concurrency": args.concurrency,
-        "requests": tally.total(), "good_correct": tally.total("ok"), "bad_refused": tally.total("refused"),
-        "wrong_answers": tally.total("wrong"), "good_failed": tally.total("error"),
-        "bad_accepted": tally.total("accepted-bad"), "server_ready_after": ready_after,
+        "kill_every_s": args.kill_every, "requests": tally.total(), "good_correct": tally.total("ok"),
+        "bad_refused": tally.total("refused"), "wrong_answers": tally.total("wrong"),
+        "good_failed": tally.total("error"), "bad_accepted": tally.total("accepted-bad"),
+        "hung": sum(1 for sent, done, _, _ in timed if done - sent >= HANG_LIMIT - 0.5),
+        "good_failed_outside_fault_windows": sum(1 for sent, done in failed
+                                                 if not any(a <= done and sent <= b for a, b in windows)),
+        "longest_request_s": round(max((done - sent for sent, done, _, _ in timed), default=0.0), 2),
+        "faults": faults, "supervisor_status": status, "server_ready_after": ready_after,
         "growth_after_warmup": {
             "tritonserver": growth(samples, lambda s: s["tritonserver_rss"], args.warmup),
             "tritonserver (anonymous)": growth(samples, lambda s: s["tritonserver_anon"], args.warmup),
@@ -140,14 +183,25 @@ def main(argv: list[str] | None = None) -> int:
                for m in models},
             "shm": growth(samples, lambda s: s["shm"], args.warmup),
         },
-        "examples": tally.examples, "samples": samples,
+        "examples": tally.examples, "supervisor_log": [f"{t:8.2f}s {line}" for t, line in supervised],
+        "samples": samples,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(samples, models, args.out.with_suffix(".png"))
-    print(json.dumps({k: v for k, v in summary.items() if k != "samples"}, indent=2))
-    ok = (summary["wrong_answers"] == summary["good_failed"] == summary["bad_accepted"] == 0) and ready_after
+    plot(samples, models, args.out.with_suffix(".png"), [f["t"] / 60 for f in faults])
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("samples", "supervisor_log")}, indent=2))
+    ok = (summary["wrong_answers"] == summary["bad_accepted"] == summary["hung"] == 0 and ready_after
+          and summary["good_failed_outside_fault_windows"] == 0 and (args.kill_every or summary["good_failed"] == 0))
     return 0 if ok else 1
+
+
+def recoveries(kills: list[dict], supervised: list[tuple[float, str]]) -> list[dict]:
+    """Each kill with the seconds until the supervisor said its model was ready again."""
+    found = []
+    for kill in kills:
+        back = [t for t, line in supervised if t >= kill["t"] and f"{kill['model']}: ready again" in line]
+        found.append({**kill, "ready_again_after_s": round(back[0] - kill["t"], 2) if back else None})
+    return found
 
 
 if __name__ == "__main__":

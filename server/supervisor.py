@@ -34,7 +34,7 @@ def describe_exit(status: int | None) -> str:
 class Supervisor:
     """One loop, in the thread that started the server (its PR_SET_PDEATHSIG is tied to that thread).
 
-    - tritonserver died: log its last words, restart with backoff (0.5 s, 1 s, 2 s, ... 30 s);
+    - tritonserver died: log its last words, restart at once, then with backoff (0.5 s, 1 s, 2 s, ... 30 s);
       give up after `max_restarts` restarts that each lived less than `stable_seconds`.
     - a stub died while its model is READY: the model is unloaded (not ready at once) and loaded again.
     """
@@ -78,7 +78,7 @@ class Supervisor:
             self.log(f"serve-repo: error: {self.failure}")
             return False
         self.restarts += 1
-        delay = min(30.0, 0.5 * 2 ** (self.restarts - 1))
+        delay = 0.0 if self.restarts == 1 else min(30.0, 0.5 * 2 ** (self.restarts - 2))  # 0, 0.5 s, 1 s ...
         self.log(f"serve-repo: {why}; restarting ({self.restarts}/{self.max_restarts}) in {delay:g}s")
         died = time.monotonic()
         if stop.wait(delay):

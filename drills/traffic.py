@@ -1,0 +1,330 @@
+"""Fault drills under traffic: paced requests (tensor and image path, HTTP and gRPC, all four at once) keep
+arriving at a share of the measured capacity while a fault hits serve-repo; every request's outcome is kept.
+
+    python -m drills.traffic --out drills/results/faults-under-traffic-resnet18.json
+
+Per drill and load: recovery (the first correct answer to a request sent after the fault, per stream;
+and, stricter, when each stream stopped failing), requests
+failed (split into those sent before the fault, i.e. in flight or queued, and those sent after it), lost
+(no answer within --hang-limit: must be 0), wrong answers (must be 0), the good answers' p99 around the
+fault and the longest any request waited. tests/test_traffic.py runs one drill at low load and checks it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from common.cli import OneLineParser
+from drills.faults import CRASHING_BODY, ROOT, TOLERANCE, ServeRepo, image
+from server.procfs import stubs_of
+
+STREAMS = (("tensor", "http"), ("tensor", "grpc"), ("image", "http"), ("image", "grpc"))
+JPEG = ROOT / "clients" / "samples" / "chelsea.jpg"
+
+
+@dataclass
+class Outcome:
+    stream: str
+    sent: float       # seconds since the fault (negative: before it)
+    waited: float
+    result: str       # ok, wrong, error, lost
+    detail: str = ""
+
+
+@dataclass
+class Traffic:
+    """Paced requests on the four streams until stop(); every request gets exactly one Outcome."""
+    serve: ServeRepo
+    model: str
+    expected: dict
+    rate: float                 # requests per second, all streams together
+    hang_limit: float = 60
+    outcomes: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.fault_at = float("inf")
+        self._stop = threading.Event()
+        self._local = threading.local()
+        # Enough workers that none waits for a free one even with a full queue behind a fault (Triton's
+        # queues hold 128 per model): a request's wait is the server's, not ours (start_delay checks it).
+        self._pool = ThreadPoolExecutor(max_workers=400)
+        self.start_delay = 0.0
+        self.ready_again: float | None = None
+        self._pacer = threading.Thread(target=self._pace, daemon=True)
+
+    def start(self) -> "Traffic":
+        self._pacer.start()
+        return self
+
+    def _pace(self):
+        start, n = time.monotonic(), 0
+        while not self._stop.is_set():
+            due = start + n / self.rate
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                break
+            self._pool.submit(self._send, STREAMS[n % len(STREAMS)], due)
+            n += 1
+
+    def _send(self, stream: tuple[str, str], due: float) -> None:
+        path, protocol = stream
+        name = "/".join(stream)
+        self.start_delay = max(self.start_delay, time.monotonic() - due)
+        try:
+            if getattr(self._local, "clients", None) is None:
+                self._local.clients = clients(self.serve, self.hang_limit)
+            logits = infer(self._local.clients[protocol], protocol, path, self.model, self.hang_limit)
+            outcome = "ok" if close(logits, self.expected[path]) else "wrong"
+            detail = "" if outcome == "ok" else "answer differs from the reference"
+        except Exception as exc:  # noqa: BLE001 - every outcome is kept
+            detail = " ".join(str(exc).split())[:160]
+            outcome = "lost" if time.monotonic() - due >= self.hang_limit - 0.5 else "error"
+            if outcome == "error" and protocol == "http":  # a dropped connection: the next request opens a new one
+                self._local.clients["http"].close()
+                self._local.clients["http"] = clients(self.serve, self.hang_limit)["http"]
+        self.outcomes.append(Outcome(name, due - self.fault_at, time.monotonic() - due, outcome, detail))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._pacer.join()
+        self._pool.shutdown(wait=True)  # each request ends by the hang limit at the latest
+
+
+def clients(serve: ServeRepo, timeout: float) -> dict:
+    import tritonclient.http as httpclient
+
+    from clients.classify import grpc_client
+
+    return {"http": httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports[0]}", network_timeout=timeout,
+                                                     connection_timeout=timeout),
+            "grpc": grpc_client(f"127.0.0.1:{serve.ports[1]}")}
+
+
+def infer(client, protocol: str, path: str, model: str, timeout: float) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    module = httpclient if protocol == "http" else grpcclient
+    if path == "tensor":
+        data, name, dtype, target = image(0), "IMAGE", "FP32", model
+    else:
+        data, name, dtype, target = np.array([[JPEG.read_bytes()]], dtype=object), "IMAGE_BYTES", "BYTES", f"{model}_image"
+    tensor = module.InferInput(name, list(data.shape), dtype)
+    tensor.set_data_from_numpy(data)
+    kwargs = {"client_timeout": timeout} if protocol == "grpc" else {}
+    return client.infer(target, [tensor], **kwargs).as_numpy("LOGITS")
+
+
+def close(logits, expected: np.ndarray) -> bool:
+    return logits is not None and logits.shape == expected.shape and \
+        float(np.abs(logits - expected).max() / np.abs(expected).max()) <= TOLERANCE
+
+
+def references(serve: ServeRepo, model: str, tensor_reference: np.ndarray) -> dict:
+    """What each path must answer: the tensor path as in-process; the image path as served before the fault."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports[0]}")
+    served = infer(client, "http", "tensor", model, 60)
+    if not close(served, tensor_reference):
+        raise AssertionError("the served tensor path differs from in-process before any fault")
+    return {"tensor": tensor_reference, "image": infer(client, "http", "image", model, 60)}
+
+
+def capacity(serve: ServeRepo, model: str, expected: dict, seconds: float = 8, concurrency: int = 8) -> float:
+    """Requests per second the four streams sustain together, closed loop (`concurrency` clients)."""
+    done, stop = [], threading.Event()
+
+    def worker(index: int):
+        path, protocol = STREAMS[index % len(STREAMS)]
+        client = clients(serve, 60)[protocol]
+        while not stop.is_set():
+            infer(client, protocol, path, model, 60)
+            done.append(time.monotonic())
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2)  # warm-up
+    begin = time.monotonic()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+    return sum(1 for t in done if begin <= t <= begin + seconds) / seconds
+
+
+# Faults: each takes the running serve-repo and the model, and returns what it wants recorded.
+def kill_stub(serve: ServeRepo, model: str) -> dict:
+    stub = next(s for s in stubs_of(serve.triton_pid) if s.model == model and s.alive)
+    os.kill(stub.pid, signal.SIGKILL)
+    return {"killed": stub.instance}
+
+
+def kill_preprocess_stub(serve: ServeRepo, model: str) -> dict:
+    return kill_stub(serve, f"{model}_preprocess")
+
+
+def kill_tritonserver(serve: ServeRepo, model: str) -> dict:
+    os.kill(serve.triton_pid, signal.SIGKILL)
+    return {}
+
+
+def crashing_request(serve: ServeRepo, model: str) -> dict:
+    def send():
+        with socket.create_connection(("127.0.0.1", serve.ports[0]), timeout=60) as sock:
+            sock.sendall(b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
+                         b"\r\nContent-Length: %d\r\n\r\n%s" % (model.encode(), len(CRASHING_BODY), CRASHING_BODY))
+            try:
+                sock.recv(4096)
+            except OSError:
+                pass
+    threading.Thread(target=send, daemon=True).start()
+    return {"request_bytes": len(CRASHING_BODY)}
+
+
+def sigterm(serve: ServeRepo, model: str) -> dict:
+    serve.process.send_signal(signal.SIGTERM)
+    return {}
+
+
+def kill_9_serve_repo(serve: ServeRepo, model: str) -> dict:
+    serve.process.kill()
+    return {}
+
+
+FAULTS = {  # name: (fault, whether serving comes back: after a stop nothing does, by design)
+    "stub_killed": (kill_stub, True),
+    "preprocess_stub_killed": (kill_preprocess_stub, True),
+    "tritonserver_killed": (kill_tritonserver, True),
+    "crashing_json_request": (crashing_request, True),
+    "sigterm": (sigterm, False),
+    "kill_9_serve_repo": (kill_9_serve_repo, False),
+}
+
+
+def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray, rate: float,
+          before: float = 4, watch: float = 20, hang_limit: float = 60, flags: tuple = ()) -> dict:
+    """One fault under `rate` requests/s on a fresh serve-repo; the figures of every request."""
+    fault, comes_back = FAULTS[name]
+    serve = ServeRepo(repository, *flags)
+    try:
+        expected = references(serve, model, tensor_reference)
+        traffic = Traffic(serve, model, expected, rate, hang_limit).start()
+        time.sleep(before)
+        mark = len(serve.lines)
+        traffic.fault_at = time.monotonic()
+        details = fault(serve, model)
+        back = threading.Thread(target=_note_ready_again, args=(serve, mark, traffic), daemon=True)
+        back.start()
+        time.sleep(watch)
+        traffic.stop()
+        status = serve.process.poll()
+        log = [line for line in serve.lines[mark:] if "serve-repo" in line or "tritonserver" in line][:6]
+    finally:
+        serve.stop()
+    result = summary(traffic.outcomes, comes_back)
+    if traffic.ready_again is not None:  # answers given while the supervisor was still bringing it back
+        result["supervisor_ready_again_after_s"] = round(traffic.ready_again, 2)
+        result["ok_answered_before_supervisor_done"] = sum(
+            1 for o in traffic.outcomes if o.result == "ok" and 0 < o.sent + o.waited < traffic.ready_again)
+    return {"fault": name, "rate_per_s": round(rate, 1), **details, **result,
+            "worst_start_delay_s": round(traffic.start_delay, 3), "serve_repo_exit": status, "log": log}
+
+
+def _note_ready_again(serve: ServeRepo, mark: int, traffic: Traffic, limit: float = 120) -> None:
+    """When the supervisor says the model (or tritonserver) is ready again, in seconds after the fault."""
+    while time.monotonic() - traffic.fault_at < limit:
+        if any("ready again" in line for line in serve.lines[mark:]):
+            traffic.ready_again = time.monotonic() - traffic.fault_at
+            return
+        time.sleep(0.02)
+
+
+def summary(outcomes: list[Outcome], comes_back: bool) -> dict:
+    failed = [o for o in outcomes if o.result == "error"]
+    good = [o for o in outcomes if o.result == "ok"]
+    around = sorted(o.waited for o in good if -5 <= o.sent <= 15)
+    errors: dict[str, int] = {}
+    for o in failed:
+        key = o.detail[:90]
+        errors[key] = errors.get(key, 0) + 1
+    result = {
+        "sent": len(outcomes), "ok": len(good), "wrong": sum(o.result == "wrong" for o in outcomes),
+        "lost": sum(o.result == "lost" for o in outcomes), "failed": len(failed),
+        "failed_sent_before_fault": sum(o.sent < 0 for o in failed),
+        "failed_sent_after_fault": sum(o.sent >= 0 for o in failed),
+        "last_failure_answered_after_s": round(max((o.sent + o.waited for o in failed), default=0.0), 2),
+        "good_p99_around_fault_s": round(float(np.percentile(around, 99)), 3) if around else None,
+        "longest_wait_s": round(max((o.waited for o in outcomes), default=0.0), 2),
+        "errors": dict(sorted(errors.items(), key=lambda item: -item[1])[:6]),
+    }
+    if comes_back:
+        answering, clean = {}, {}
+        for stream in sorted({o.stream for o in outcomes}):
+            ours = [o for o in outcomes if o.stream == stream]
+            # Recovery as the issue counts it: the first correct answer to a request sent after the fault.
+            after = [o.sent + o.waited for o in ours if o.result == "ok" and o.sent >= 0]
+            answering[stream] = round(min(after), 2) if after else None
+            # Stricter: the first correct answer to a request sent after this stream's last failure
+            # (0: it never failed; None: it was still failing when the drill ended).
+            last_bad = max((o.sent for o in ours if o.result != "ok" and o.sent >= 0), default=None)
+            later = [o.sent + o.waited for o in ours if o.result == "ok" and last_bad is not None and o.sent > last_bad]
+            clean[stream] = round(min(later), 2) if later else (0.0 if last_bad is None else None)
+        result["answering_again_after_s"] = answering
+        result["recovery_s"] = None if None in answering.values() else max(answering.values())
+        result["no_failures_after_s"] = clean
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m drills.traffic", description=__doc__)
+    p.add_argument("--model", default="resnet18", help="Default: resnet18 (random weights, seed 0).")
+    p.add_argument("--loads", default="0.5,1.0", help="shares of the measured capacity. Default: 0.5,1.0.")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"Default: all ({', '.join(FAULTS)}).")
+    p.add_argument("--watch", type=float, default=20, help="seconds of traffic after the fault. Default: 20.")
+    p.add_argument("--instances", type=int, default=1, help="model instances. Default: 1.")
+    p.add_argument("--out", type=Path, help="JSON to write.")
+    args = p.parse_args(argv)
+
+    from drills.loadtest import SEED, build_small_repo
+    from drills.mixed import reference_for
+    from perf.bench import machine
+
+    tensor_reference = reference_for(args.model, SEED)(image(0))
+    results: dict = {"model": args.model, "instances": args.instances, "machine": machine(),
+                     "streams": ["/".join(s) for s in STREAMS], "runs": []}
+    with tempfile.TemporaryDirectory(prefix="traffic-") as tmp:
+        repo = build_small_repo(args.model, Path(tmp), args.instances)
+        serve = ServeRepo(repo)
+        try:
+            results["capacity_per_s"] = round(capacity(serve, args.model, references(serve, args.model,
+                                                                                     tensor_reference)), 1)
+        finally:
+            serve.stop()
+        print("capacity", results["capacity_per_s"], "requests/s", flush=True)
+        for name in args.faults.split(","):
+            for share in (float(x) for x in args.loads.split(",")):
+                run = drill(repo, args.model, name, tensor_reference, share * results["capacity_per_s"],
+                            watch=args.watch)
+                run["load"] = share
+                print(json.dumps(run), flush=True)
+                results["runs"].append(run)
+    text = json.dumps(results, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

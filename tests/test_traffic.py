@@ -1,0 +1,42 @@
+"""A stub killed while requests keep arriving (drills.traffic at a low rate: tensor and image path, HTTP and
+gRPC): serve-repo replaces the instances in place, every request gets an answer, only errors fail, the
+model answers correctly again on every stream; with two instances the other one answers meanwhile.
+
+Limits only catch "never" (the drill's own hang limit, 60 s); drills/results/ keeps the measured figures."""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from drills import traffic
+from drills.faults import image
+from support import SMALL, reference_logits
+
+
+def _repo(repository: Path, into: Path, instances: int) -> Path:
+    for model in repository.glob(f"{SMALL}*"):
+        shutil.copytree(model, into / model.name)
+    config = into / SMALL / "config.pbtxt"
+    config.write_text(re.sub(r"(instance_group \{\s*count: )\d+", rf"\g<1>{instances}", config.read_text()))
+    return into
+
+
+@pytest.mark.parametrize("instances", [1, 2])
+def test_stub_killed_under_traffic(repository, small_model, tmp_path, instances):
+    repo = _repo(repository, tmp_path, instances)
+    run = traffic.drill(repo, SMALL, "stub_killed", reference_logits(small_model, image(0)), rate=8, watch=25)
+    print(run)
+    assert run["lost"] == 0 and run["wrong"] == 0, run
+    assert run["longest_wait_s"] < 60, run
+    assert run["failed"] > 0 or instances == 2, run  # the dead stub's batches fail (Triton 2.51 still routes to it)
+    assert all("not healthy" in message or "Stub" in message for message in run["errors"]), run["errors"]
+    assert run["recovery_s"] is not None, run  # every stream answered correctly after its last failure
+    assert run["ok"] > run["failed"], run
+    assert any("replacing its instances" in line for line in run["log"]), run["log"]
+    assert any("ready again" in line for line in run["log"]), run["log"]
+    assert not any("failed" in line for line in run["log"]), run["log"]
+    if instances == 2:
+        assert run["ok_answered_before_supervisor_done"] > 0, run  # the healthy instance kept answering
