@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-SAMPLES = Path(__file__).resolve().parent / "samples"
+from perf.samples import CAT
+
 TOLERANCE = 1e-4  # largest served-vs-in-process deviation, relative to the logits' scale
 
 
@@ -62,9 +63,9 @@ def build_cases(model_name: str, reference, transform, seed: int = 0) -> list[Ca
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    photo = Image.open(SAMPLES / "chelsea.jpg").convert("RGB")
+    photo = Image.open(CAT).convert("RGB")
     images = {
-        "jpeg": (SAMPLES / "chelsea.jpg").read_bytes(),
+        "jpeg": CAT.read_bytes(),
         "png-small": _encode(photo.resize((160, 120)), "PNG"),
         "jpeg-gray": _encode(photo.convert("L"), "JPEG", quality=90),
     }

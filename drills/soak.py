@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                 next_kill = started + args.kill_every if args.kill_every else float("inf")
                 while time.monotonic() < deadline:
                     time.sleep(max(0.0, min(args.every, deadline - time.monotonic(), next_kill - time.monotonic())))
+                    if time.monotonic() >= next_kill and deadline - time.monotonic() < 30:
+                        next_kill = float("inf")  # no kill whose recovery the run would not see
                     if time.monotonic() >= next_kill:
                         model = models[len(kills) % len(models)]
                         stub = next((s for s in server.stubs() if s.model == model and s.alive), None)
