@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,10 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import OneLineParser
-from common.procs import free_port
+from drills.serve import ServeRepo
 from server.procfs import remove_stale, stubs_of
 
-ROOT = Path(__file__).resolve().parent.parent
 RECOVERY_LIMIT = 180.0  # seconds: only catches "never"; measured recovery is ~9 s on 2 cores
 TOLERANCE = 1e-4
 
@@ -34,60 +32,6 @@ TOLERANCE = 1e-4
 # it looks at `data`, throws std::bad_alloc and aborts. The binary and gRPC paths refuse the same shape.
 CRASHING_BODY = (b'{"inputs":[{"name":"IMAGE","shape":[100000,3,224,224],"datatype":"FP32",'
                  b'"data":[1,2,3,4,5,6,7,8,9,10]}]}')
-
-
-class ServeRepo:
-    """`python -m server.cli` as a user runs it, on free ports, its output collected line by line."""
-
-    def __init__(self, repository: Path, *flags: str, timeout: float = 600):
-        import tritonclient.http as httpclient
-
-        self.ports = [free_port() for _ in range(3)]
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "--repository", str(repository),
-             "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),
-             "--metrics-port", str(self.ports[2]), *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        self.lines: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.wait_for("tritonserver ready:", timeout)
-        self.http = httpclient.InferenceServerClient(f"127.0.0.1:{self.ports[0]}")
-
-    def _pump(self):
-        for line in self.process.stdout:
-            self.lines.append(line.rstrip())
-
-    def wait_for(self, text: str, timeout: float, after: int = 0) -> str:
-        """The newest output line containing `text` (among lines[after:]), waiting up to `timeout`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [line for line in self.lines[after:] if text in line]
-            if found:
-                return found[-1]
-            if self.process.poll() is not None:
-                time.sleep(0.5)  # let the pump collect the last words
-                raise AssertionError(f"serve-repo exited ({self.process.returncode}): {self.lines[-10:]}")
-            time.sleep(0.05)
-        raise AssertionError(f"no {text!r} from serve-repo within {timeout}s: {self.lines[-10:]}")
-
-    def seen(self, text: str, after: int = 0) -> bool:
-        return any(text in line for line in self.lines[after:])
-
-    @property
-    def triton_pid(self) -> int:
-        found = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True)
-        pids = [int(pid) for pid in found.stdout.split()]
-        if len(pids) != 1:
-            raise AssertionError(f"serve-repo should have one child, tritonserver: {pids}")
-        return pids[0]
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
 
 
 def image(seed: int) -> np.ndarray:
@@ -131,10 +75,10 @@ def kill_stub(serve: ServeRepo, model: str, batch: np.ndarray, expected: np.ndar
     def watch_ready():  # Triton alone keeps the model READY with a dead stub; so does an in-place replacement
         while not watcher_done.is_set():
             try:
-                if not serve.http.is_model_ready(model):
-                    left_ready.append(round(time.monotonic() - killed, 2))
-                    return
+                ready = serve.http.is_model_ready(model)
             except Exception:  # noqa: BLE001 - a restart: not ready either
+                ready = False
+            if not ready:
                 left_ready.append(round(time.monotonic() - killed, 2))
                 return
             time.sleep(0.02)
@@ -272,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from drills.loadtest import SEED, build_small_repo
     from drills.mixed import reference_for
+    from perf.bench import machine
 
     reference = reference_for(args.model, SEED)
-    results: dict = {"model": args.model, "rounds": args.rounds, "cpu_count": os.cpu_count()}
+    results: dict = {"model": args.model, "rounds": args.rounds, "cpu_count": os.cpu_count(), "machine": machine()}
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp:
         repo = build_small_repo(args.model, Path(tmp))
         # Stub drills share one server; each server-killing drill gets a fresh one, so that every figure
@@ -284,11 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             for name, model in (("stub_killed", args.model), ("preprocess_stub_killed", f"{args.model}_preprocess")):
                 runs = []
                 for round_ in range(args.rounds):
-                    if model.endswith("_preprocess"):  # it takes image bytes: probe it through the ensemble
-                        runs.append(kill_preprocess_stub(serve, args.model))
-                    else:
-                        batch = image(round_)
-                        runs.append(kill_stub(serve, model, batch, reference(batch)))
+                    batch = image(round_)  # the preprocess model takes image bytes: probed through the ensemble
+                    runs.append(kill_preprocess_stub(serve, args.model) if model.endswith("_preprocess")
+                                else kill_stub(serve, model, batch, reference(batch)))
                     print(name, runs[-1], flush=True)
                 results[name] = {"runs": runs, "answering_after_s": _summary([r["answering_after_s"] for r in runs])}
         finally:
@@ -296,19 +239,18 @@ def main(argv: list[str] | None = None) -> int:
         for name, drill in (("tritonserver_killed", kill_tritonserver), ("crashing_json_request", crashing_request)):
             runs = []
             for round_ in range(args.rounds):
-                serve = ServeRepo(repo)
+                serve, batch = ServeRepo(repo), image(round_)
                 try:
-                    batch = image(round_)
                     runs.append(drill(serve, args.model, batch, reference(batch)))
                 finally:
                     serve.stop()
                 print(name, runs[-1], flush=True)
             results[name] = {"runs": runs, "answering_after_s": _summary([r["answering_after_s"] for r in runs])}
         batch = image(99)
-        results["sigterm_under_load"] = sigterm_under_load(repo, args.model, batch, reference(batch))
-        print("sigterm_under_load", results["sigterm_under_load"], flush=True)
-        results["kill_9_serve_repo"] = kill_9_serve_repo(repo)
-        print("kill_9_serve_repo", results["kill_9_serve_repo"], flush=True)
+        for name, run in (("sigterm_under_load", lambda: sigterm_under_load(repo, args.model, batch, reference(batch))),
+                          ("kill_9_serve_repo", lambda: kill_9_serve_repo(repo))):
+            results[name] = run()
+            print(name, results[name], flush=True)
     text = json.dumps(results, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +263,9 @@ def kill_preprocess_stub(serve: ServeRepo, model: str) -> dict:
     """kill -9 the preprocess stub; the image path (NAME_image) must answer as before."""
     import tritonclient.http as httpclient
 
-    jpeg = (ROOT / "clients" / "samples" / "chelsea.jpg").read_bytes()
+    from perf.samples import CAT
+
+    jpeg = CAT.read_bytes()
 
     def classify() -> np.ndarray:
         tensor = httpclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")

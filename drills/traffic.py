@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import OneLineParser
-from drills.faults import CRASHING_BODY, ROOT, TOLERANCE, ServeRepo, image
+from drills.faults import CRASHING_BODY, TOLERANCE, image
+from drills.serve import ServeRepo
+from perf.samples import CAT
 from server.procfs import stubs_of
 
 STREAMS = (("tensor", "http"), ("tensor", "grpc"), ("image", "http"), ("image", "grpc"))
-JPEG = ROOT / "clients" / "samples" / "chelsea.jpg"
 
 
 @dataclass
@@ -88,9 +89,12 @@ class Traffic:
         except Exception as exc:  # noqa: BLE001 - every outcome is kept
             detail = " ".join(str(exc).split())[:160]
             outcome = "lost" if time.monotonic() - due >= self.hang_limit - 0.5 else "error"
-            if outcome == "error" and protocol == "http":  # a dropped connection: the next request opens a new one
-                self._local.clients["http"].close()
-                self._local.clients["http"] = clients(self.serve, self.hang_limit)["http"]
+            if outcome == "error" and protocol == "http" and getattr(self._local, "clients", None):
+                try:  # a dropped connection: the next request opens a new one
+                    self._local.clients["http"].close()
+                except Exception:  # noqa: BLE001
+                    pass
+                self._local.clients["http"] = http_client(self.serve, self.hang_limit)
         self.outcomes.append(Outcome(name, due - self.fault_at, time.monotonic() - due, outcome, detail))
 
     def stop(self) -> None:
@@ -99,14 +103,17 @@ class Traffic:
         self._pool.shutdown(wait=True)  # each request ends by the hang limit at the latest
 
 
-def clients(serve: ServeRepo, timeout: float) -> dict:
+def http_client(serve: ServeRepo, timeout: float):
     import tritonclient.http as httpclient
 
+    return httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports[0]}", network_timeout=timeout,
+                                            connection_timeout=timeout)
+
+
+def clients(serve: ServeRepo, timeout: float) -> dict:
     from clients.classify import grpc_client
 
-    return {"http": httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports[0]}", network_timeout=timeout,
-                                                     connection_timeout=timeout),
-            "grpc": grpc_client(f"127.0.0.1:{serve.ports[1]}")}
+    return {"http": http_client(serve, timeout), "grpc": grpc_client(f"127.0.0.1:{serve.ports[1]}")}
 
 
 def infer(client, protocol: str, path: str, model: str, timeout: float) -> np.ndarray:
@@ -117,7 +124,7 @@ def infer(client, protocol: str, path: str, model: str, timeout: float) -> np.nd
     if path == "tensor":
         data, name, dtype, target = image(0), "IMAGE", "FP32", model
     else:
-        data, name, dtype, target = np.array([[JPEG.read_bytes()]], dtype=object), "IMAGE_BYTES", "BYTES", f"{model}_image"
+        data, name, dtype, target = np.array([[CAT.read_bytes()]], dtype=object), "IMAGE_BYTES", "BYTES", f"{model}_image"
     tensor = module.InferInput(name, list(data.shape), dtype)
     tensor.set_data_from_numpy(data)
     kwargs = {"client_timeout": timeout} if protocol == "grpc" else {}

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from drills import faults
+from drills.serve import ServeRepo
 from support import SMALL, reference_logits
 from server.procfs import remove_stale
 
@@ -29,7 +30,7 @@ def small_repo(repository, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def serve(small_repo):
-    running = faults.ServeRepo(small_repo)
+    running = ServeRepo(small_repo)
     yield running
     running.stop()
 
@@ -130,7 +131,7 @@ def test_supervisor_leaves_deliberate_unloads_and_reloads_alone(small_repo):
     import json
     import time
 
-    serve = faults.ServeRepo(small_repo, "--model-control", "explicit")
+    serve = ServeRepo(small_repo, "--model-control", "explicit")
     try:
         mark = len(serve.lines)
         config = serve.http.get_model_config(SMALL)

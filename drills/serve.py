@@ -1,0 +1,68 @@
+"""A supervised serve-repo (`python -m server.cli`) started as a user starts it, on free ports, for the drills
+and tests: its output collected line by line, waited on, its tritonserver found, stopped with SIGTERM."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from common.procs import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServeRepo:
+    """`python -m server.cli` as a user runs it, on free ports, its output collected line by line."""
+
+    def __init__(self, repository: Path, *flags: str, timeout: float = 600):
+        import tritonclient.http as httpclient
+
+        self.ports = [free_port() for _ in range(3)]
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "--repository", str(repository),
+             "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),
+             "--metrics-port", str(self.ports[2]), *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        self.lines: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.wait_for("tritonserver ready:", timeout)
+        self.http = httpclient.InferenceServerClient(f"127.0.0.1:{self.ports[0]}")
+
+    def _pump(self):
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip())
+
+    def wait_for(self, text: str, timeout: float, after: int = 0) -> str:
+        """The newest output line containing `text` (among lines[after:]), waiting up to `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [line for line in self.lines[after:] if text in line]
+            if found:
+                return found[-1]
+            if self.process.poll() is not None:
+                time.sleep(0.5)  # let the pump collect the last words
+                raise AssertionError(f"serve-repo exited ({self.process.returncode}): {self.lines[-10:]}")
+            time.sleep(0.05)
+        raise AssertionError(f"no {text!r} from serve-repo within {timeout}s: {self.lines[-10:]}")
+
+    def seen(self, text: str, after: int = 0) -> bool:
+        return any(text in line for line in self.lines[after:])
+
+    @property
+    def triton_pid(self) -> int:
+        found = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True)
+        pids = [int(pid) for pid in found.stdout.split()]
+        if len(pids) != 1:
+            raise AssertionError(f"serve-repo should have one child, tritonserver: {pids}")
+        return pids[0]
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
