@@ -30,6 +30,7 @@ from drills.serve import ServeRepo
 from perf.samples import CAT
 from server.procfs import stubs_of
 
+SHED = "Exceeds maximum queue size"
 STREAMS = (("tensor", "http"), ("tensor", "grpc"), ("image", "http"), ("image", "grpc"))
 
 
@@ -177,15 +178,6 @@ def kill_stub(serve: ServeRepo, model: str) -> dict:
     return {"killed": stub.instance}
 
 
-def kill_preprocess_stub(serve: ServeRepo, model: str) -> dict:
-    return kill_stub(serve, f"{model}_preprocess")
-
-
-def kill_tritonserver(serve: ServeRepo, model: str) -> dict:
-    os.kill(serve.triton_pid, signal.SIGKILL)
-    return {}
-
-
 def crashing_request(serve: ServeRepo, model: str) -> dict:
     def send():
         with socket.create_connection(("127.0.0.1", serve.ports[0]), timeout=60) as sock:
@@ -199,23 +191,13 @@ def crashing_request(serve: ServeRepo, model: str) -> dict:
     return {"request_bytes": len(CRASHING_BODY)}
 
 
-def sigterm(serve: ServeRepo, model: str) -> dict:
-    serve.process.send_signal(signal.SIGTERM)
-    return {}
-
-
-def kill_9_serve_repo(serve: ServeRepo, model: str) -> dict:
-    serve.process.kill()
-    return {}
-
-
 FAULTS = {  # name: (fault, whether serving comes back: after a stop nothing does, by design)
     "stub_killed": (kill_stub, True),
-    "preprocess_stub_killed": (kill_preprocess_stub, True),
-    "tritonserver_killed": (kill_tritonserver, True),
+    "preprocess_stub_killed": (lambda serve, model: kill_stub(serve, f"{model}_preprocess"), True),
+    "tritonserver_killed": (lambda serve, model: os.kill(serve.triton_pid, signal.SIGKILL) or {}, True),
     "crashing_json_request": (crashing_request, True),
-    "sigterm": (sigterm, False),
-    "kill_9_serve_repo": (kill_9_serve_repo, False),
+    "sigterm": (lambda serve, model: serve.process.send_signal(signal.SIGTERM) or {}, False),
+    "kill_9_serve_repo": (lambda serve, model: serve.process.kill() or {}, False),
 }
 
 
@@ -273,10 +255,14 @@ def summary(outcomes: list[Outcome], comes_back: bool) -> dict:
         "last_failure_answered_after_s": round(max((o.sent + o.waited for o in failed), default=0.0), 2),
         "good_p99_around_fault_s": round(float(np.percentile(around, 99)), 3) if around else None,
         "longest_wait_s": round(max((o.waited for o in outcomes), default=0.0), 2),
+        "longest_wait_by_stream_s": {stream: round(max(o.waited for o in outcomes if o.stream == stream), 2)
+                                     for stream in sorted({o.stream for o in outcomes})},
+        # Refused at once because the model's queue was full (the bound doing its job under overload).
+        "failed_queue_full": sum(SHED in o.detail for o in failed),
         "errors": dict(sorted(errors.items(), key=lambda item: -item[1])[:6]),
     }
     if comes_back:
-        answering, clean = {}, {}
+        answering, clean, unshed = {}, {}, {}
         for stream in sorted({o.stream for o in outcomes}):
             ours = [o for o in outcomes if o.stream == stream]
             # Recovery as the issue counts it: the first correct answer to a request sent after the fault.
@@ -284,15 +270,26 @@ def summary(outcomes: list[Outcome], comes_back: bool) -> dict:
             answering[stream] = round(min(after), 2) if after else None
             # Stricter: the first correct answer to a request sent after this stream's last failure
             # (0: it never failed; None: it was still failing when the drill ended).
-            last_bad = max((o.sent for o in ours if o.result != "ok" and o.sent >= 0), default=None)
-            later = [o.sent + o.waited for o in ours if o.result == "ok" and last_bad is not None and o.sent > last_bad]
-            clean[stream] = round(min(later), 2) if later else (0.0 if last_bad is None else None)
+            clean[stream] = _clean_after([o for o in ours if o.result == "ok" or o.sent < 0], ours)
+            # The same, counting queue-full refusals as no failure: at ~100 % of capacity the backlog a
+            # fault leaves never drains (arrivals = service), so the bound keeps refusing the excess.
+            unshed[stream] = _clean_after([o for o in ours if o.result == "ok" or o.sent < 0 or SHED in o.detail],
+                                          ours)
         result["answering_again_after_s"] = answering
         result["first_correct_after_s"] = None if None in answering.values() else max(answering.values())
         result["no_failures_after_s"] = clean
         # Recovery, the headline: every stream answers correctly and fails no more.
         result["recovery_s"] = None if None in clean.values() else max(clean.values())
+        result["recovery_but_queue_full_s"] = None if None in unshed.values() else max(unshed.values())
     return result
+
+
+def _clean_after(fine: list[Outcome], ours: list[Outcome]) -> float | None:
+    """First correct answer to a request sent after the last one not in `fine` (0: none; None: still failing)."""
+    fine_ids = {id(o) for o in fine}
+    last_bad = max((o.sent for o in ours if id(o) not in fine_ids), default=None)
+    later = [o.sent + o.waited for o in ours if o.result == "ok" and last_bad is not None and o.sent > last_bad]
+    return round(min(later), 2) if later else (0.0 if last_bad is None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
