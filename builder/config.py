@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from common.modelconfig import to_text
+from common.modelconfig import instance_groups, to_text
 
 # Shipped batching defaults. A zero queue delay means an idle server runs each request at once
 # (no TorchServe-style batch-delay spike at low load), while a busy one still forms batches from
@@ -203,7 +204,8 @@ class ModelSpec:
                 config.ensemble_scheduling.step.add(model_name=step.model_name, model_version=-1,
                                                     input_map=step.input_map, output_map=step.output_map)
         else:
-            config.instance_group.add(kind=self.kind.value, count=self.instances)
+            for group in instance_groups(self.kind.value, self.instances):  # one group per instance
+                json_format.ParseDict(group, config.instance_group.add())
         for key, value in sorted(self.parameters.items()):
             config.parameters[key].string_value = str(value)
         return config

@@ -1,6 +1,7 @@
-"""Read a config.pbtxt into Triton's own ModelConfig protobuf (builder/config.py writes them)."""
+"""Read a config.pbtxt into Triton's own ModelConfig protobuf (builder/config.py writes them); instance groups."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from google.protobuf import text_format
@@ -22,3 +23,33 @@ def read_config(path: Path) -> mc.ModelConfig:
 def parameters(config: mc.ModelConfig) -> dict[str, str]:
     """The config's parameters as plain strings."""
     return {key: value.string_value for key, value in config.parameters.items()}
+
+
+def instance_groups(kind: str, count: int, like: dict | None = None) -> list[dict]:
+    """`count` instances as `count` groups of one (Triton's JSON form), each with its own
+    rate_limiter priority 1..count when there are several. Triton tells instance groups apart by everything
+    but their name and count, so each instance then has a signature of its own and serve-repo can replace a
+    dead one alone (server/supervisor.py). The priority weighs nothing unless tritonserver runs with
+    --rate-limit (off by default). `like`: a group whose other fields (gpus, host_policy...) are kept."""
+    base = {k: v for k, v in (like or {}).items() if k not in ("name", "count", "rate_limiter")}
+    base["kind"] = kind
+    groups = []
+    for index in range(count):
+        group = {**json.loads(json.dumps(base)), "count": 1}
+        if count > 1:
+            group["rate_limiter"] = {"priority": index + 1}
+        groups.append(group)
+    return groups
+
+
+def with_instances(config: dict, count: int) -> dict:
+    """A copy of `config` (Triton's JSON form) serving `count` instances of its first group's kind."""
+    config = json.loads(json.dumps(config))
+    groups = config.get("instance_group") or [{"kind": "KIND_CPU"}]
+    config["instance_group"] = instance_groups(groups[0].get("kind", "KIND_CPU"), count, groups[0])
+    return config
+
+
+def instance_count(config: dict) -> int:
+    """Instances per device in `config` (Triton's JSON form): the counts of its groups added up."""
+    return sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])

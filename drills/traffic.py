@@ -210,14 +210,17 @@ def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray,
         expected = references(serve, model, tensor_reference)
         traffic = Traffic(serve, model, expected, rate, hang_limit).start()
         time.sleep(before)
-        mark = len(serve.lines)
+        mark, stubs = len(serve.lines), _stubs(serve)
         traffic.fault_at = time.monotonic()
         details = fault(serve, model)
         back = threading.Thread(target=_note_ready_again, args=(serve, mark, traffic), daemon=True)
         back.start()
         time.sleep(watch)
         traffic.stop()
-        status = serve.process.poll()
+        status, after = serve.process.poll(), _stubs(serve)
+        # Which stubs outlived the fault (same process) and which are new: one dead instance replaced alone?
+        details["stubs_kept"] = sorted(name for pid, name in stubs.items() if pid in after)
+        details["stubs_new"] = sorted(name for pid, name in after.items() if pid not in stubs)
         log = [line for line in serve.lines[mark:] if "serve-repo" in line or "tritonserver" in line][:6]
     finally:
         serve.stop()
@@ -228,6 +231,13 @@ def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray,
             1 for o in traffic.outcomes if o.result == "ok" and 0 < o.sent + o.waited < traffic.ready_again)
     return {"fault": name, "rate_per_s": round(rate, 1), **details, **result,
             "worst_start_delay_s": round(traffic.start_delay, 3), "serve_repo_exit": status, "log": log}
+
+
+def _stubs(serve: ServeRepo) -> dict:
+    try:
+        return {s.pid: s.instance for s in stubs_of(serve.triton_pid) if s.alive and s.serves}
+    except AssertionError:  # serve-repo is gone (stopped, killed): so are its stubs
+        return {}
 
 
 def _note_ready_again(serve: ServeRepo, mark: int, traffic: Traffic, limit: float = 120) -> None:

@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from common.cli import OneLineParser
+from common.modelconfig import with_instances
 from perf import loadgen
 from perf.bench import InProcess, machine
 from perf.samples import CAT as SAMPLE
@@ -83,9 +84,7 @@ def calibration_folder(folder: Path) -> Path:
 def with_batching(config: dict, dynamic: bool, delay_us: int, bounds: bool, instances: int = 1) -> dict:
     """The config with the sweep's batching: no dynamic batcher (each request runs alone, batch 1), or one
     with this delay, keeping or dropping build-repo's queue bounds (max_queue_size, timeout)."""
-    config = json.loads(json.dumps(config))
-    for group in config.get("instance_group", []):
-        group["count"] = instances
+    config = with_instances(config, instances)
     policy = config.get("dynamic_batching", {}).get("default_queue_policy")
     config.pop("dynamic_batching", None)
     if dynamic:

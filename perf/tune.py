@@ -12,7 +12,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from common.cli import OneLineParser
 from builder import config as cfg
-from common.modelconfig import to_text
+from common.modelconfig import instance_count, to_text
 from perf import loadgen
 from clients.classify import model_config
 
@@ -85,7 +85,7 @@ def reconfigure(client, model: str, base: dict, args) -> dict:
     delay_ms = args.max_batch_delay_ms
     delay = round(delay_ms * 1000) if delay_ms is not None else int(
         base.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0))
-    instances = args.instance_count or int(base.get("instance_group", [{}])[0].get("count", 1))
+    instances = args.instance_count or instance_count(base)
     config = candidate(base, size, delay, instances)
     loadgen.load_with(client, model, config)
     print(f"{model}: max_batch_size={size} max_queue_delay_microseconds={delay} instances={instances} (live)")

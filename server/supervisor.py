@@ -205,14 +205,15 @@ class Supervisor:
 
 def renewed(config: dict, instance: str = "all") -> dict:
     """`config` (Triton's JSON) with a new signature for the instance group that holds `instance` (all groups
-    for "all" or an instance no group names): its rate_limiter priority toggled between 1 and 2. Triton
-    compares groups by everything but name and count, so it replaces exactly those instances; the priority
-    weighs nothing unless tritonserver runs with --rate-limit (off by default)."""
+    for "all" or an instance no group names): its rate_limiter priority set to the lowest one no group has.
+    Triton compares groups by everything but name and count, so it replaces exactly that group's instances
+    (build-repo writes one group per instance, each its own priority: one dead instance is replaced alone);
+    the priority weighs nothing unless tritonserver runs with --rate-limit (off by default)."""
     config = json.loads(json.dumps(config))
     groups = config.get("instance_group") or []
     named = [g for g in groups if instance.startswith(f"{g.get('name', '')}_")
              and instance[len(g.get("name", "")) + 1:].isdigit()]
     for group in named or groups:
-        limiter = group.setdefault("rate_limiter", {})
-        limiter["priority"] = 2 if int(limiter.get("priority") or 0) == 1 else 1
+        taken = {int((g.get("rate_limiter") or {}).get("priority") or 0) for g in groups}
+        group.setdefault("rate_limiter", {})["priority"] = min(set(range(1, len(groups) + 2)) - taken)
     return config

@@ -29,7 +29,10 @@ def test_config_round_trips_through_model_config_when_written_and_parsed(tmp_pat
     assert list(parsed.dynamic_batching.preferred_batch_size) == [4, 8]
     assert parsed.input[0].data_type == mc.TYPE_FP32 and list(parsed.input[0].dims) == [3, 224, 224]
     assert parsed.output[0].label_filename == "labels.txt"
-    assert parsed.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU and parsed.instance_group[0].count == 2
+    # Two instances as two groups of one, told apart by their rate_limiter priority (server/supervisor.py
+    # can then replace a dead one alone): kinds, counts and priorities as written.
+    assert [(g.kind, g.count, g.rate_limiter.priority) for g in parsed.instance_group] == [
+        (mc.ModelInstanceGroup.KIND_CPU, 1, 1), (mc.ModelInstanceGroup.KIND_CPU, 1, 2)]
     assert parsed.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value == "no"
 
 
@@ -87,3 +90,16 @@ def test_queue_policy_round_trips_through_config_pbtxt_when_set(tmp_path):
 def test_queue_policy_is_refused_with_the_field_named_when_invalid(batching, message):
     with pytest.raises(cfg.ConfigError, match=message):
         _spec(batching=batching).to_proto()
+
+
+def test_with_instances_keeps_the_group_and_counts_instances_across_groups():
+    from common.modelconfig import instance_count, with_instances
+
+    served = {"name": "m", "instance_group": [{"name": "m_0", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1],
+                                               "rate_limiter": {"priority": 0}}]}
+    assert instance_count(served) == 2
+    three = with_instances(served, 3)
+    assert three["instance_group"] == [{"kind": "KIND_GPU", "gpus": [0, 1], "count": 1,
+                                        "rate_limiter": {"priority": p}} for p in (1, 2, 3)]
+    assert instance_count(three) == 3 and served["instance_group"][0]["count"] == 2  # a copy
+    assert with_instances(served, 1)["instance_group"] == [{"kind": "KIND_GPU", "gpus": [0, 1], "count": 1}]

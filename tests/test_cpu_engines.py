@@ -49,7 +49,8 @@ def test_sweep_configs_change_only_batching_and_instances_when_built():
     assert "dynamic_batching" not in unbatched and unbatched["max_batch_size"] == 8
     unbounded = cpu_engines.with_batching(base, True, 2000, False, instances=2)
     assert unbounded["dynamic_batching"] == {"max_queue_delay_microseconds": 2000}
-    assert unbounded["instance_group"][0]["count"] == 2
+    assert unbounded["instance_group"] == [{"kind": "KIND_CPU", "count": 1, "rate_limiter": {"priority": 1}},
+                                           {"kind": "KIND_CPU", "count": 1, "rate_limiter": {"priority": 2}}]
     bounded = cpu_engines.with_batching(base, True, 0, True)
     assert bounded["dynamic_batching"]["default_queue_policy"] == {"max_queue_size": "128"}
     assert base["instance_group"][0]["count"] == 1 and "dynamic_batching" in base  # the base is untouched

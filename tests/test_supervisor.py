@@ -56,13 +56,14 @@ def test_renewed_changes_only_the_signature_of_the_dead_instances_group():
         {"name": "m_0", "kind": "KIND_CPU", "count": 2},
         {"name": "m_1", "kind": "KIND_CPU", "count": 1, "rate_limiter": {"priority": 1}}]}
     once = renewed(config, "m_0_1")
-    assert once["instance_group"][0]["rate_limiter"] == {"priority": 1}
+    assert once["instance_group"][0]["rate_limiter"] == {"priority": 2}  # the lowest no group has
     assert once["instance_group"][1] == config["instance_group"][1]  # the other group is left alone
     assert {k: v for k, v in once.items() if k != "instance_group"} == {"name": "m", "max_batch_size": 8}
-    assert renewed(once, "m_0_0")["instance_group"][0]["rate_limiter"] == {"priority": 2}  # a new one each time
+    assert renewed(once, "m_0_0")["instance_group"][0]["rate_limiter"] == {"priority": 3}  # a new one each time
+    assert renewed(renewed(once, "m_0_0"), "m_0_0")["instance_group"][0]["rate_limiter"] == {"priority": 2}
     assert renewed(config, "m_1_0")["instance_group"][1]["rate_limiter"] == {"priority": 2}
     everything = renewed(config, "all")
-    assert [g["rate_limiter"]["priority"] for g in everything["instance_group"]] == [1, 2]
+    assert [g["rate_limiter"]["priority"] for g in everything["instance_group"]] == [2, 3]
     assert "rate_limiter" not in config["instance_group"][0]  # the caller's config is not changed
 
 

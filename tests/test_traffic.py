@@ -5,12 +5,14 @@ model answers correctly again on every stream; with two instances the other one 
 Limits only catch "never" (the drill's own hang limit, 60 s); drills/results/ keeps the measured figures."""
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
 
+from builder.config import write_config
+from common.modelconfig import instance_groups, read_config
 from drills import traffic
 from drills.faults import image
 from support import SMALL, reference_logits
@@ -19,8 +21,11 @@ from support import SMALL, reference_logits
 def _repo(repository: Path, into: Path, instances: int) -> Path:
     for model in repository.glob(f"{SMALL}*"):
         shutil.copytree(model, into / model.name)
-    config = into / SMALL / "config.pbtxt"
-    config.write_text(re.sub(r"(instance_group \{\s*count: )\d+", rf"\g<1>{instances}", config.read_text()))
+    config = read_config(into / SMALL)
+    del config.instance_group[:]
+    for group in instance_groups("KIND_CPU", instances):  # as build-repo --instances writes them
+        json_format.ParseDict(group, config.instance_group.add())
+    write_config(config, into / SMALL)
     return into
 
 
@@ -38,5 +43,8 @@ def test_stub_killed_under_traffic(repository, small_model, tmp_path, instances)
     assert any("replacing its instances" in line for line in run["log"]), run["log"]
     assert any("ready again" in line for line in run["log"]), run["log"]
     assert not any("failed" in line for line in run["log"]), run["log"]
+    assert run["killed"] not in run["stubs_kept"], run
+    assert len(run["stubs_new"]) == 1, run  # the dead instance alone was replaced
     if instances == 2:
         assert run["ok_answered_before_supervisor_done"] > 0, run  # the healthy instance kept answering
+        assert len([name for name in run["stubs_kept"] if not name.startswith(f"{SMALL}_preprocess")]) == 1, run
