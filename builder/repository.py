@@ -1,6 +1,7 @@
 """Write a classifier's model directories (classifier, preprocess, ensemble, exports) atomically."""
 from __future__ import annotations
 
+import compileall
 import contextlib
 import json
 import os
@@ -138,6 +139,11 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
                 raise BuildError(f"{', '.join(bad)} differ from eager torch by more than {export.TOLERANCE:g}; "
                                  "nothing was written")
         _write_all(staging, classifier, options, artifacts)
+        for name in names:
+            # Bytecode written now, not by the stubs at the first load: Triton counts files newer than a load as
+            # a modified version, and a later load of a modified version (serve-repo replacing a dead stub) is
+            # a whole new copy of the model instead of an update of just the dead instance's group.
+            compileall.compile_dir(staging / name, quiet=1)
         return [_swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=5,
                    help="restarts in a row (each lived < 60 s) before giving up when tritonserver keeps "
                         "dying; 0: never restart. Default: 5.")
+    p.add_argument("--max-unfreed-instances", type=int, default=4,
+                   help="a stub that dies with a batch in flight leaves an instance Triton 2.51 never frees "
+                        "(its threads and ~5-10 MB of /dev/shm); past this many, tritonserver is restarted "
+                        "(drained) to free them; 0: never. Default: 4.")
     p.add_argument("--log-file", type=Path, help="tritonserver's log. Default: a temporary file.")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait until ready. Default: 600.")
     p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
@@ -40,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--cuda-memory-pool-byte-size=0:1073741824). Default: none; a repository with GPU "
                         "models gets " + " ".join(GPU_FLAGS) + " unless the same flags are passed.")
     args = p.parse_args(argv)
-    if args.drain_seconds < 0 or args.max_restarts < 0:
-        p.error("--drain-seconds and --max-restarts must be >= 0")
+    if min(args.drain_seconds, args.max_restarts, args.max_unfreed_instances) < 0:
+        p.error("--drain-seconds, --max-restarts and --max-unfreed-instances must be >= 0")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
     server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
                           args.model_control, args.log_file, extra, drain_seconds=args.drain_seconds)
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
           f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout,
-                            log=lambda line: print(line, flush=True))
+                            log=lambda line: print(line, flush=True), max_unfreed=args.max_unfreed_instances)
     status = supervisor.run(stop)
     if status:
         server.stop()

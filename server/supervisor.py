@@ -7,7 +7,10 @@ died the unload never finishes (python_backend 24.10 leaks that batch's response
 the model), so the model's stubs, threads and shared memory stay behind. What works, measured under
 traffic: a `load` whose config differs from the served one only in the instance group's signature.
 Triton then creates new instances next to the old ones while the model keeps serving, swaps them in and
-removes the old: the model is never unloaded, nothing leaks, and a second instance keeps answering.
+removes the old: the model is never unloaded and a second instance keeps answering. What Triton cannot
+do: free a removed instance whose stub died with a batch in flight (measured in the soak: its stub stays
+an unreaped zombie, its threads and its /dev/shm region, ~5-10 MB, stay mapped until tritonserver exits).
+So past `max_unfreed` such instances, tritonserver is restarted (drained) to give that memory back.
 """
 from __future__ import annotations
 
@@ -36,11 +39,14 @@ class Supervisor:
 
     - tritonserver died: log its last words, restart at once, then with backoff (0.5 s, 1 s, 2 s, ... 30 s);
       give up after `max_restarts` restarts that each lived less than `stable_seconds`.
-    - a stub died while its model is READY: the model is unloaded (not ready at once) and loaded again.
+    - a stub died while its model is READY: its instances are replaced in place (reload).
+    - more than `max_unfreed` dead stubs left unreaped for `unfreed_grace` s (instances Triton never freed):
+      tritonserver is stopped (drained) and started again; 0: never.
     """
 
     def __init__(self, server: TritonServer, max_restarts: int = 5, poll_seconds: float = 0.25,
-                 stable_seconds: float = 60, log: Callable[[str], None] = print, start_timeout: float = 600):
+                 stable_seconds: float = 60, log: Callable[[str], None] = print, start_timeout: float = 600,
+                 max_unfreed: int = 4, unfreed_grace: float = 30):
         self.server = server
         self.max_restarts = max_restarts
         self.poll_seconds = poll_seconds
@@ -55,6 +61,9 @@ class Supervisor:
         self._suspects: dict[tuple[str, str], float] = {}  # dead (model, instance) -> when first seen dead
         self.failure: str | None = None
         self._stop = threading.Event()
+        self.max_unfreed, self.unfreed_grace = max_unfreed, unfreed_grace
+        self._zombies: dict[int, float] = {}  # dead, unreaped stub pid -> when first seen
+        self._planned: str | None = None      # why we stopped tritonserver ourselves
 
     def run(self, stop: threading.Event) -> int:
         """Until `stop` is set: 0. Gave up restarting: 1 (self.failure says why)."""
@@ -65,14 +74,17 @@ class Supervisor:
                     return 1 if not stop.is_set() else 0
                 continue
             self.check_stubs()
+            self.check_unfreed()
             stop.wait(self.poll_seconds)
         return 0
 
     def _restart(self, stop: threading.Event) -> bool:
         self.server._reap()
         why = f"tritonserver died ({describe_exit(self.server.returncode)}): {self.server.last_words()}"
-        if time.monotonic() - self._started >= self.stable_seconds:
+        if time.monotonic() - self._started >= self.stable_seconds or self._planned:
             self.restarts = 0
+        if self._planned:
+            why, self._planned = f"tritonserver stopped to free {self._planned}", None
         if self.restarts >= self.max_restarts:
             self.failure = f"{why}; not restarted: {self.restarts} restarts in a row failed or died again"
             self.log(f"serve-repo: error: {self.failure}")
@@ -134,6 +146,22 @@ class Supervisor:
             self.reload(model, "its stubs died" if instance == "all" else f"its stub {instance} died", instance)
             reloaded.append(model)
         return reloaded
+
+    def check_unfreed(self) -> bool:
+        """Restart tritonserver (drained) once it holds more than max_unfreed instances it never freed."""
+        now = time.monotonic()
+        dead = {s.pid for s in self.server.stubs() if s.zombie}
+        self._zombies = {pid: self._zombies.get(pid, now) for pid in dead}
+        kept = [pid for pid, since in self._zombies.items() if now - since >= self.unfreed_grace]
+        if not self.max_unfreed or len(kept) <= self.max_unfreed:
+            return False
+        self._planned = (f"{len(kept)} dead instances it never freed (their stubs died with a batch in flight; "
+                         "python_backend 24.10 keeps their threads and shared memory)")
+        self.log(f"serve-repo: stopping tritonserver to free {self._planned}; draining for up to "
+                 f"{self.server.drain_seconds:g}s")
+        self.server.terminate()
+        self._zombies.clear()
+        return True
 
     def _interruptible(self, call) -> None:
         """Run a blocking call (a model load takes seconds) without holding up a stop."""

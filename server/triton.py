@@ -227,6 +227,16 @@ class TritonServer:
             self._workdir = None
         return self.returncode
 
+    def terminate(self) -> None:
+        """SIGTERM and wait for the exit (Triton drains for up to drain_seconds); the caller restarts it."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(self.drain_seconds + 5)
+            except subprocess.TimeoutExpired:
+                pass  # restart() kills what is left
+
     def _reap(self) -> None:
         """After the server ended (or to end it): kill its process group, reap it, remove its shm."""
         process, self._process = self._process, None

@@ -48,3 +48,37 @@ def test_stub_killed_under_traffic(repository, small_model, tmp_path, instances)
     if instances == 2:
         assert run["ok_answered_before_supervisor_done"] > 0, run  # the healthy instance kept answering
         assert len([name for name in run["stubs_kept"] if not name.startswith(f"{SMALL}_preprocess")]) == 1, run
+
+
+def test_instances_triton_never_frees_are_bounded_by_a_restart(repository, small_model, tmp_path):
+    """Two stubs killed under traffic, --max-unfreed-instances 1: once the grace (30 s) has passed, tritonserver
+    holds at most one dead instance it never freed (a restart, drained, freed the rest) and answers again."""
+    import time
+
+    from server.procfs import stubs_of
+
+    repo = _repo(repository, tmp_path, 1)
+    reference = reference_logits(small_model, image(0))
+    serve = traffic.ServeRepo(repo, "--max-unfreed-instances", "1")
+    try:
+        expected = traffic.references(serve, SMALL, reference)
+        load = traffic.Traffic(serve, SMALL, expected, rate=8).start()
+        for _ in range(2):
+            mark = len(serve.lines)
+            traffic.kill_stub(serve, SMALL)
+            serve.wait_for(f"{SMALL}: ready again", 60, mark)
+            time.sleep(1)
+        time.sleep(40)  # the grace, then a drained restart if more than one dead instance is still held
+        load.stop()
+        dead = [s for s in stubs_of(serve.triton_pid) if s.zombie]
+        restarted = serve.seen("stopping tritonserver to free")
+        assert len(dead) <= 1, (dead, serve.lines[-8:])
+        if restarted:
+            assert serve.seen("tritonserver ready again"), serve.lines[-8:]
+        assert traffic.close(traffic.infer(serve.http, "http", "tensor", SMALL, 60), expected["tensor"])
+        outcomes = load.outcomes
+        assert not [o for o in outcomes if o.result in ("lost", "wrong")], outcomes
+        print({"restarted": restarted, "dead_left": len(dead), "sent": len(outcomes),
+               "failed": sum(o.result == "error" for o in outcomes)}, serve.lines[-6:])
+    finally:
+        serve.stop()
