@@ -289,8 +289,10 @@ def summary(outcomes: list[Outcome], comes_back: bool) -> dict:
         result["first_correct_after_s"] = None if None in answering.values() else max(answering.values())
         result["no_failures_after_s"] = clean
         # Recovery, the headline: every stream answers correctly and fails no more.
-        result["recovery_s"] = None if None in clean.values() else max(clean.values())
-        result["recovery_but_queue_full_s"] = None if None in unshed.values() else max(unshed.values())
+        first = result["first_correct_after_s"]
+        result["recovery_s"] = None if None in clean.values() or first is None else max(first, *clean.values())
+        result["recovery_but_queue_full_s"] = (None if None in unshed.values() or first is None
+                                               else max(first, *unshed.values()))
     return result
 
 

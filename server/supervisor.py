@@ -5,12 +5,14 @@ while every request fails with "Stub process ... is not healthy", and a reposito
 unchanged model is a no-op. `unload` + `load` serves again, but with a request in flight when the stub
 died the unload never finishes (python_backend 24.10 leaks that batch's response factories, each holding
 the model), so the model's stubs, threads and shared memory stay behind. What works, measured under
-traffic: a `load` whose config differs from the served one only in the instance group's signature.
-Triton then creates new instances next to the old ones while the model keeps serving, swaps them in and
-removes the old: the model is never unloaded and a second instance keeps answering. What Triton cannot
-do: free a removed instance whose stub died with a batch in flight (measured in the soak: its stub stays
-an unreaped zombie, its threads and its /dev/shm region, ~5-10 MB, stay mapped until tritonserver exits).
-So past `max_unfreed` such instances, tritonserver is restarted (drained) to give that memory back.
+traffic: a `load` whose config differs from the served one only in the dead instance's group signature.
+Triton then updates the instance groups of the loaded model: it keeps the other instances, starts a new
+one beside them and drops the dead one; the model is never unloaded and the others keep answering.
+That holds only while Triton sees the model's version folder unmodified since its load: stubs writing
+__pycache__ there at the first load made every later load a whole new copy of the model, all instances
+new and the old copy never freed when a batch was in flight (build-repo now writes the bytecode itself).
+As a bound where that still happens (a repository built otherwise): past `max_unfreed` dead stubs left
+unreaped (instances Triton never freed), tritonserver is restarted (drained) to give their memory back.
 """
 from __future__ import annotations
 
