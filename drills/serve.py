@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 class ServeRepo:
     """`python -m server.cli` as a user runs it, on free ports, its output collected line by line."""
 
-    def __init__(self, repository: Path, *flags: str, timeout: float = 600):
+    def __init__(self, repository: Path, *flags: str, timeout: float = 600, ports: list[int] | None = None):
         import tritonclient.http as httpclient
 
-        self.ports = [free_port() for _ in range(3)]
+        # `ports`: those of a serve-repo that just stopped, as a process manager restarts it.
+        self.ports = list(ports) if ports else [free_port() for _ in range(3)]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "server.cli", "--repository", str(repository),
              "--http-port", str(self.ports[0]), "--grpc-port", str(self.ports[1]),

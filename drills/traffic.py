@@ -26,21 +26,12 @@ import numpy as np
 
 from common.cli import OneLineParser
 from drills.faults import CRASHING_BODY, TOLERANCE, image
+from drills.outcomes import Outcome, summary
 from drills.serve import ServeRepo
 from perf.samples import CAT
 from server.procfs import stubs_of
 
-SHED = "Exceeds maximum queue size"
 STREAMS = (("tensor", "http"), ("tensor", "grpc"), ("image", "http"), ("image", "grpc"))
-
-
-@dataclass
-class Outcome:
-    stream: str
-    sent: float       # seconds since the fault (negative: before it)
-    waited: float
-    result: str       # ok, wrong, error, lost
-    detail: str = ""
 
 
 @dataclass
@@ -202,9 +193,13 @@ FAULTS = {  # name: (fault, whether serving comes back: after a stop nothing doe
 
 
 def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray, rate: float,
-          before: float = 4, watch: float = 20, hang_limit: float = 60, flags: tuple = ()) -> dict:
-    """One fault under `rate` requests/s on a fresh serve-repo; the figures of every request."""
+          before: float = 4, watch: float = 20, hang_limit: float = 60, flags: tuple = (),
+          restart: bool = True) -> dict:
+    """One fault under `rate` requests/s on a fresh serve-repo; the figures of every request. After a fault
+    that stops serve-repo (SIGTERM, kill -9), `restart` starts it again on the same ports as soon as it has
+    exited, as a process manager does (systemd Restart=always with RestartSec=0, Docker restart: always)."""
     fault, comes_back = FAULTS[name]
+    restarter = Restarter(repository, flags) if restart and not comes_back else None
     serve = ServeRepo(repository, *flags)
     try:
         expected = references(serve, model, tensor_reference)
@@ -213,24 +208,62 @@ def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray,
         mark, stubs = len(serve.lines), _stubs(serve)
         traffic.fault_at = time.monotonic()
         details = fault(serve, model)
-        back = threading.Thread(target=_note_ready_again, args=(serve, mark, traffic), daemon=True)
-        back.start()
+        watcher = restarter.start(serve, traffic) if restarter else _note_ready_again
+        threading.Thread(target=watcher, args=(serve, mark, traffic), daemon=True).start()
         time.sleep(watch)
         traffic.stop()
-        status, after = serve.process.poll(), _stubs(serve)
+        status = serve.process.poll()
+        now = restarter.serve if restarter and restarter.serve else serve
+        after = _stubs(now)
         # Which stubs outlived the fault (same process) and which are new: one dead instance replaced alone?
         details["stubs_kept"] = sorted(name for pid, name in stubs.items() if pid in after)
         details["stubs_new"] = sorted(name for pid, name in after.items() if pid not in stubs)
         log = [line for line in serve.lines[mark:] if "serve-repo" in line or "tritonserver" in line][:6]
+        if restarter:
+            details.update(restarter.figures())
+            log += [line for line in (restarter.serve.lines if restarter.serve else [])
+                    if "serve-repo" in line or "ready" in line][:3]
+        log = [line.split("  log /")[0] for line in log]  # committed: no machine paths
     finally:
         serve.stop()
-    result = summary(traffic.outcomes, comes_back)
+        if restarter and restarter.serve:
+            restarter.serve.stop()
+    result = summary(traffic.outcomes, comes_back or bool(restarter and restarter.serve))
     if traffic.ready_again is not None:  # answers given while the supervisor was still bringing it back
         result["supervisor_ready_again_after_s"] = round(traffic.ready_again, 2)
         result["ok_answered_before_supervisor_done"] = sum(
             1 for o in traffic.outcomes if o.result == "ok" and 0 < o.sent + o.waited < traffic.ready_again)
     return {"fault": name, "rate_per_s": round(rate, 1), **details, **result,
             "worst_start_delay_s": round(traffic.start_delay, 3), "serve_repo_exit": status, "log": log}
+
+
+class Restarter:
+    """Starts serve-repo again on the same ports once the stopped one has exited; when it did, and when the
+    new one said tritonserver was ready (that time is also the drill's `supervisor_ready_again_after_s`)."""
+
+    def __init__(self, repository: Path, flags: tuple):
+        self.repository, self.flags = repository, flags
+        self.serve: ServeRepo | None = None
+        self.exited = self.started = self.ready = None
+        self.error = ""
+
+    def start(self, old: ServeRepo, traffic: Traffic):
+        def run(old: ServeRepo, mark: int, traffic: Traffic) -> None:
+            old.process.wait()
+            self.exited = time.monotonic() - traffic.fault_at
+            try:
+                self.started = time.monotonic() - traffic.fault_at
+                self.serve = ServeRepo(self.repository, *self.flags, timeout=120, ports=old.ports)
+                self.ready = traffic.ready_again = time.monotonic() - traffic.fault_at
+            except AssertionError as exc:
+                self.error = str(exc)[:300]
+        return run
+
+    def figures(self) -> dict:
+        rounded = {key: None if value is None else round(value, 2)
+                   for key, value in (("serve_repo_exited_after_s", self.exited),
+                                      ("restarted_after_s", self.started), ("restart_ready_after_s", self.ready))}
+        return {**rounded, **({"restart_error": self.error} if self.error else {})}
 
 
 def _stubs(serve: ServeRepo) -> dict:
@@ -249,61 +282,6 @@ def _note_ready_again(serve: ServeRepo, mark: int, traffic: Traffic, limit: floa
         time.sleep(0.02)
 
 
-def summary(outcomes: list[Outcome], comes_back: bool) -> dict:
-    failed = [o for o in outcomes if o.result == "error"]
-    good = [o for o in outcomes if o.result == "ok"]
-    around = sorted(o.waited for o in good if -5 <= o.sent <= 15)
-    errors: dict[str, int] = {}
-    for o in failed:
-        key = o.detail[:90]
-        errors[key] = errors.get(key, 0) + 1
-    result = {
-        "sent": len(outcomes), "ok": len(good), "wrong": sum(o.result == "wrong" for o in outcomes),
-        "lost": sum(o.result == "lost" for o in outcomes), "failed": len(failed),
-        "failed_sent_before_fault": sum(o.sent < 0 for o in failed),
-        "failed_sent_after_fault": sum(o.sent >= 0 for o in failed),
-        "last_failure_answered_after_s": round(max((o.sent + o.waited for o in failed), default=0.0), 2),
-        "good_p99_around_fault_s": round(float(np.percentile(around, 99)), 3) if around else None,
-        "longest_wait_s": round(max((o.waited for o in outcomes), default=0.0), 2),
-        "longest_wait_by_stream_s": {stream: round(max(o.waited for o in outcomes if o.stream == stream), 2)
-                                     for stream in sorted({o.stream for o in outcomes})},
-        # Refused at once because the model's queue was full (the bound doing its job under overload).
-        "failed_queue_full": sum(SHED in o.detail for o in failed),
-        "errors": dict(sorted(errors.items(), key=lambda item: -item[1])[:6]),
-    }
-    if comes_back:
-        answering, clean, unshed = {}, {}, {}
-        for stream in sorted({o.stream for o in outcomes}):
-            ours = [o for o in outcomes if o.stream == stream]
-            # Recovery as the issue counts it: the first correct answer to a request sent after the fault.
-            after = [o.sent + o.waited for o in ours if o.result == "ok" and o.sent >= 0]
-            answering[stream] = round(min(after), 2) if after else None
-            # Stricter: the first correct answer to a request sent after this stream's last failure
-            # (0: it never failed; None: it was still failing when the drill ended).
-            clean[stream] = _clean_after([o for o in ours if o.result == "ok" or o.sent < 0], ours)
-            # The same, counting queue-full refusals as no failure: at ~100 % of capacity the backlog a
-            # fault leaves never drains (arrivals = service), so the bound keeps refusing the excess.
-            unshed[stream] = _clean_after([o for o in ours if o.result == "ok" or o.sent < 0 or SHED in o.detail],
-                                          ours)
-        result["answering_again_after_s"] = answering
-        result["first_correct_after_s"] = None if None in answering.values() else max(answering.values())
-        result["no_failures_after_s"] = clean
-        # Recovery, the headline: every stream answers correctly and fails no more.
-        first = result["first_correct_after_s"]
-        result["recovery_s"] = None if None in clean.values() or first is None else max(first, *clean.values())
-        result["recovery_but_queue_full_s"] = (None if None in unshed.values() or first is None
-                                               else max(first, *unshed.values()))
-    return result
-
-
-def _clean_after(fine: list[Outcome], ours: list[Outcome]) -> float | None:
-    """First correct answer to a request sent after the last one not in `fine` (0: none; None: still failing)."""
-    fine_ids = {id(o) for o in fine}
-    last_bad = max((o.sent for o in ours if id(o) not in fine_ids), default=None)
-    later = [o.sent + o.waited for o in ours if o.result == "ok" and last_bad is not None and o.sent > last_bad]
-    return round(min(later), 2) if later else (0.0 if last_bad is None else None)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m drills.traffic", description=__doc__)
     p.add_argument("--model", default="resnet18", help="Default: resnet18 (random weights, seed 0).")
@@ -311,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=",".join(FAULTS), help=f"Default: all ({', '.join(FAULTS)}).")
     p.add_argument("--watch", type=float, default=20, help="seconds of traffic after the fault. Default: 20.")
     p.add_argument("--instances", type=int, default=1, help="model instances. Default: 1.")
+    p.add_argument("--no-restart", action="store_true",
+                   help="after SIGTERM / kill -9 of serve-repo, do not start it again (by default it is started "
+                        "again on the same ports once it has exited, as a process manager would).")
     p.add_argument("--out", type=Path, help="JSON to write.")
     args = p.parse_args(argv)
 
@@ -333,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.faults.split(","):
             for share in (float(x) for x in args.loads.split(",")):
                 run = drill(repo, args.model, name, tensor_reference, share * results["capacity_per_s"],
-                            watch=args.watch)
+                            watch=args.watch, restart=not args.no_restart)
                 run["load"] = share
                 print(json.dumps(run), flush=True)
                 results["runs"].append(run)

@@ -82,3 +82,19 @@ def test_instances_triton_never_frees_are_bounded_by_a_restart(repository, small
                "failed": sum(o.result == "error" for o in outcomes)}, serve.lines[-6:])
     finally:
         serve.stop()
+
+
+def test_serve_repo_killed_under_traffic_comes_back_when_restarted(repository, small_model, tmp_path):
+    """kill -9 of serve-repo while requests arrive, then serve-repo started again on the same ports at once (as a
+    process manager does) while the old tritonserver and stubs may still be dying: the new one comes up, every
+    stream answers correctly again, every request got an answer, the failures are refused connections."""
+    repo = _repo(repository, tmp_path, 1)
+    run = traffic.drill(repo, SMALL, "kill_9_serve_repo", reference_logits(small_model, image(0)), rate=8, watch=25)
+    print(run)
+    assert run["serve_repo_exit"] == -9, run
+    assert "restart_error" not in run and run["restart_ready_after_s"] is not None, run
+    assert run["lost"] == 0 and run["wrong"] == 0, run
+    assert run["recovery_s"] is not None, run  # every stream answered correctly after its last failure
+    assert run["failed"] > 0, run  # nothing listens between the kill and the new start
+    assert set(run["stubs_new"]) == {f"{SMALL}_0_0", f"{SMALL}_preprocess_0_0"}, run
+    assert run["ok"] > run["failed"], run
