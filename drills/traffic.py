@@ -7,7 +7,9 @@ Per drill and load: recovery (per stream, the first correct answer to a request 
 failure; and the first correct answer to a request sent after the fault), requests
 failed (split into those sent before the fault, i.e. in flight or queued, and those sent after it), lost
 (no answer within --hang-limit: must be 0), wrong answers (must be 0), the good answers' p99 around the
-fault and the longest any request waited. tests/test_traffic.py runs one drill at low load and checks it."""
+fault and the longest any request waited. After SIGTERM and kill -9 of serve-repo, serve-repo is started again
+on the same ports once it has exited (as a process manager would; --no-restart: left stopped), so those drills
+have a recovery too. tests/test_traffic.py runs drills at low load and checks them."""
 from __future__ import annotations
 
 import json
