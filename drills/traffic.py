@@ -31,7 +31,7 @@ from drills.faults import CRASHING_BODY, TOLERANCE, image
 from drills.outcomes import Outcome, summary
 from drills.serve import ServeRepo
 from perf.samples import CAT
-from server.procfs import stubs_of
+from server.procfs import running_stubs, stubs_of
 
 STREAMS = (("tensor", "http"), ("tensor", "grpc"), ("image", "http"), ("image", "grpc"))
 
@@ -210,7 +210,7 @@ def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray,
         mark, stubs = len(serve.lines), _stubs(serve)
         traffic.fault_at = time.monotonic()
         details = fault(serve, model)
-        watcher = restarter.start(serve, traffic) if restarter else _note_ready_again
+        watcher = restarter.run if restarter else _note_ready_again
         threading.Thread(target=watcher, args=(serve, mark, traffic), daemon=True).start()
         time.sleep(watch)
         traffic.stop()
@@ -220,6 +220,9 @@ def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray,
         # Which stubs outlived the fault (same process) and which are new: one dead instance replaced alone?
         details["stubs_kept"] = sorted(name for pid, name in stubs.items() if pid in after)
         details["stubs_new"] = sorted(name for pid, name in after.items() if pid not in stubs)
+        # The old server's stubs still running beside the new one (a stub can hang on its own exit).
+        running = running_stubs() - set(after)
+        details["old_stubs_left"] = sorted(name for pid, name in stubs.items() if pid in running)
         log = [line for line in serve.lines[mark:] if "serve-repo" in line or "tritonserver" in line][:6]
         if restarter:
             details.update(restarter.figures())
@@ -246,26 +249,22 @@ class Restarter:
     def __init__(self, repository: Path, flags: tuple):
         self.repository, self.flags = repository, flags
         self.serve: ServeRepo | None = None
-        self.exited = self.started = self.ready = None
+        self.exited = self.ready = None
         self.error = ""
 
-    def start(self, old: ServeRepo, traffic: Traffic):
-        def run(old: ServeRepo, mark: int, traffic: Traffic) -> None:
-            old.process.wait()
-            self.exited = time.monotonic() - traffic.fault_at
-            try:
-                self.started = time.monotonic() - traffic.fault_at
-                self.serve = ServeRepo(self.repository, *self.flags, timeout=120, ports=old.ports)
-                self.ready = traffic.ready_again = time.monotonic() - traffic.fault_at
-            except AssertionError as exc:
-                self.error = str(exc)[:300]
-        return run
+    def run(self, old: ServeRepo, mark: int, traffic: Traffic) -> None:  # the same call as _note_ready_again
+        old.process.wait()
+        self.exited = time.monotonic() - traffic.fault_at
+        try:
+            self.serve = ServeRepo(self.repository, *self.flags, timeout=120, ports=old.ports)
+            self.ready = traffic.ready_again = time.monotonic() - traffic.fault_at
+        except AssertionError as exc:
+            self.error = str(exc)[:300]
 
     def figures(self) -> dict:
-        rounded = {key: None if value is None else round(value, 2)
-                   for key, value in (("serve_repo_exited_after_s", self.exited),
-                                      ("restarted_after_s", self.started), ("restart_ready_after_s", self.ready))}
-        return {**rounded, **({"restart_error": self.error} if self.error else {})}
+        figures = {"serve_repo_exited_after_s": self.exited and round(self.exited, 2),
+                   "restart_ready_after_s": self.ready and round(self.ready, 2)}
+        return {**figures, "restart_error": self.error} if self.error else figures
 
 
 def _stubs(serve: ServeRepo) -> dict:

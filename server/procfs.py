@@ -16,12 +16,24 @@ from common.procs import pid_alive
 WORKDIR_PREFIX = "triton-serve-"
 SHM_PREFIX = "tcls"
 _OWNED = re.compile(r"^(?:triton-serve-|tcls)(\d+)[-_]")
+_STUB_OWNER = re.compile(r"/triton-serve-(\d+)-[^/]*/backends/")
 _PR_SET_PDEATHSIG = 1
 
 
 def remove_stale(tmp: Path | None = None, shm: Path = Path("/dev/shm")) -> list[str]:
-    """Remove work directories and python-backend shared memory left by serve-repos that were killed."""
+    """Remove what serve-repos that were killed left behind: stubs still running from their work directories
+    (python_backend 24.10's stub can deadlock on its own exit when its tritonserver died with a batch in
+    flight: its health thread waits for the GIL the main thread holds while it waits for the dead server),
+    then the work directories and python-backend shared memory."""
     removed = []
+    for pid, argv, _, _ in _processes("triton_python"):
+        owner = _STUB_OWNER.search(argv[0])  # <tmp>/triton-serve-<pid>-*/backends/python/triton_python_backend_stub
+        if owner and not pid_alive(int(owner.group(1))):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                removed.append(f"stub {pid} {argv[8] if len(argv) > 8 else ''}".rstrip())
+            except OSError:
+                pass
     for folder, is_dir in ((Path(tmp or tempfile.gettempdir()), True), (shm, False)):
         try:
             entries = list(folder.iterdir())
@@ -70,18 +82,28 @@ class Stub:
 
 def stubs_of(pid: int) -> list[Stub]:
     """The python-backend stubs tritonserver `pid` started (zombies included: they died)."""
+    return [Stub(child, argv, state == "Z") for child, argv, parent, state in _processes("triton_python")
+            if parent == pid]
+
+
+def running_stubs() -> set[int]:
+    """The python-backend stubs running on this machine, whoever started them (zombies are not running)."""
+    return {pid for pid, _, _, state in _processes("triton_python") if state != "Z"}
+
+
+def _processes(comm: str) -> list[tuple[int, list[str], int, str]]:
+    """(pid, argv, parent pid, state) of the processes whose name starts with `comm`, zombies included (no argv)."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry.name}/stat").read_text()
-            fields = stat[stat.rfind(")") + 2:].split()
-            if int(fields[1]) != pid:
+            if not stat[stat.find("(") + 1:].startswith(comm):  # comm, also of a zombie (no cmdline)
                 continue
+            fields = stat[stat.rfind(")") + 2:].split()
             argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except (OSError, IndexError, ValueError):
             continue
-        if stat[stat.find("(") + 1:].startswith("triton_python"):  # comm, also of a zombie (no cmdline)
-            found.append(Stub(int(entry.name), argv, fields[0] == "Z"))
+        found.append((int(entry.name), argv, int(fields[1]), fields[0]))
     return found

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -121,10 +122,32 @@ def test_stale_cleanup_spares_what_live_processes_own(tmp_path):
         (shm / f"tcls{owner}_8000_region").write_bytes(b"x")
     (shm / "triton_python_backend_shm_region_other").write_bytes(b"x")  # not ours: never touched
     removed = remove_stale(tmp, shm)
-    assert sorted(Path(p).name for p in removed) == sorted([f"triton-serve-{dead.pid}-abc",
-                                                            f"tcls{dead.pid}_8000_region"])
+    folders = sorted(Path(p).name for p in removed if not p.startswith("stub "))  # a real stale stub may go too
+    assert folders == sorted([f"triton-serve-{dead.pid}-abc", f"tcls{dead.pid}_8000_region"])
     assert sorted(p.name for p in shm.iterdir()) == sorted([f"tcls{live}_8000_region",
                                                             "triton_python_backend_shm_region_other"])
+
+
+def test_stale_cleanup_ends_stubs_a_killed_serve_repo_left_running(tmp_path):
+    """A stub can hang on its own exit after its tritonserver died (python_backend 24.10); the next start ends
+    those whose serve-repo is gone, and only those (here: `sleep` under a stub's name and path)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stubs = {}
+    for owner in (dead.pid, os.getpid()):
+        exe = tmp_path / f"triton-serve-{owner}-abc" / "backends" / "python" / "triton_python_backend_stub"
+        exe.parent.mkdir(parents=True)
+        shutil.copy(shutil.which("sleep"), exe)
+        stubs[owner] = subprocess.Popen([str(exe), "120"])
+    try:
+        removed = remove_stale(tmp_path, tmp_path / "shm")
+        assert stubs[dead.pid].wait(10) == -signal.SIGKILL
+        assert f"stub {stubs[dead.pid].pid}" in removed, removed
+        assert stubs[os.getpid()].poll() is None, "a stub of a live serve-repo was killed"
+    finally:
+        for stub in stubs.values():
+            stub.kill()
+            stub.wait()
 
 
 def test_supervisor_leaves_deliberate_unloads_and_reloads_alone(small_repo):

@@ -97,4 +97,5 @@ def test_serve_repo_killed_under_traffic_comes_back_when_restarted(repository, s
     assert run["recovery_s"] is not None, run  # every stream answered correctly after its last failure
     assert run["failed"] > 0, run  # nothing listens between the kill and the new start
     assert set(run["stubs_new"]) == {f"{SMALL}_0_0", f"{SMALL}_preprocess_0_0"}, run
+    assert run["old_stubs_left"] == [], run  # the new start ends the killed server's stubs, even hung ones
     assert run["ok"] > run["failed"], run
