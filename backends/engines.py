@@ -14,9 +14,11 @@ import torch
 
 try:  # in Triton: the version folder, which holds copies of these, is on sys.path
     from contract import IMAGE, LOGITS
+    from cpu import cpu_bf16, cpuinfo  # noqa: F401 - cpuinfo: perf reads the CPU as the backend does
     from model_code import import_model_class
 except ImportError:
     from common.contract import IMAGE, LOGITS
+    from common.cpu import cpu_bf16, cpuinfo  # noqa: F401
     from common.model_code import import_model_class
 
 ENGINE_FILES = {"torch": "weights.pt", "torchscript": "model.pt", "onnxruntime": "model.onnx", "openvino": "model.onnx"}
@@ -130,22 +132,6 @@ class OpenVino:
         result = self.request.infer({0: batch.contiguous().numpy()})
         # A copy: the request's output buffer is overwritten by the next batch.
         return torch.from_numpy(result[self.output].copy())
-
-
-def cpuinfo(field: str) -> str:
-    """The first `field` of /proc/cpuinfo ("model name", "flags"); "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == field), "")
-    except OSError:
-        return ""
-
-
-def cpu_bf16() -> bool:
-    """True where the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16): elsewhere oneDNN emulates it,
-    slower than fp32."""
-    flags = cpuinfo("flags").split()
-    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def default_threads() -> int:

@@ -18,17 +18,17 @@ try:
 except ImportError:  # imported outside Triton, e.g. by tests and perf to run the same preprocessing
     pb_utils = None
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
-    from contract import IMAGE, IMAGE_BYTES
+    from contract import IMAGE_BYTES
     from decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
-    from transforms import transform_from_parameters
+    from transforms import pixels_from_parameters, transform_from_parameters
     from triton_io import (encoded_elements, error_response, honor_faulthandler, instance_device,
                            model_parameters)
 except ImportError:
     from backends.decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
     from backends.triton_io import (encoded_elements, error_response, honor_faulthandler, instance_device,
                                     model_parameters)
-    from common.contract import IMAGE, IMAGE_BYTES
-    from common.transforms import transform_from_parameters
+    from common.contract import IMAGE_BYTES
+    from common.transforms import pixels_from_parameters, transform_from_parameters
 
 
 class TritonPythonModel:
@@ -49,8 +49,14 @@ class TritonPythonModel:
             # c=1 40 -> 47 img/s, c=8 50 -> 62 (perf/results/README.md, CPU engines).
             threads = threads or 1
         torch.set_num_threads(threads)
+        # What the classifier takes (build-repo's --input-dtype): IMAGE normalized, IMAGE_FP16 the same in half
+        # the bytes, or IMAGE_UINT8, the pixels before normalizing (the classifier normalizes them).
+        output = config["output"][0]
+        self.output_name = output["name"]
+        self.output_dtype = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16,
+                             "TYPE_UINT8": torch.uint8}[output["data_type"]]
         # Built once: the preprocessing build-repo recorded (the weights' own transforms() for torchvision).
-        transform = transform_from_parameters(params)
+        transform = (pixels_from_parameters if self.output_dtype == torch.uint8 else transform_from_parameters)(params)
         on_device = device.type == "cuda" and params.get("decode_device", "cpu") == "gpu"
         self.preprocess = Preprocessor(transform, device, tensor_decode=on_device)
         self.gpu_output = params.get("output_device", "gpu") == "gpu"
@@ -64,11 +70,14 @@ class TritonPythonModel:
 
     def _response(self, images: list):
         batch = torch.stack(images) if self.batched else images[0]
+        if batch.dtype != self.output_dtype:  # fp16: normalized floats, halved for the hop
+            batch = batch.to(self.output_dtype)
         if batch.device.type == "cuda" and not self.gpu_output:
             batch = batch.cpu()
         if batch.device.type == "cuda":  # stays on the GPU for the classifier (Triton's CUDA pool)
-            return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor.from_dlpack(IMAGE, to_dlpack(batch))])
-        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(IMAGE, batch.numpy())])
+            return pb_utils.InferenceResponse(
+                output_tensors=[pb_utils.Tensor.from_dlpack(self.output_name, to_dlpack(batch))])
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(self.output_name, batch.numpy())])
 
 
 def preprocessed(preprocess: "Preprocessor", requests) -> tuple[list, list]:

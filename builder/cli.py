@@ -12,10 +12,11 @@ from pathlib import Path
 
 from builder import config as cfg
 from builder import mar, sources
-from builder.plan import check_source, make_plan
+from builder.plan import check_source, make_plan, precision_note
 from builder.repository import ENGINES, BuildError, build, check_free, check_writable
 from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
 from common.cli import OneLineParser
+from common.contract import IMAGE_INPUTS
 
 FORMATS = ("python", "onnx", "torchscript")
 
@@ -118,12 +119,18 @@ def parser() -> argparse.ArgumentParser:
                    help=f"model instances (stub processes). Default: {cpu.instances} (cpu), {gpu.instances} (gpu).")
     p.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
                    help="instance kind; auto: gpu if torch sees CUDA here, else cpu. Default: auto.")
-    p.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"),
-                   help="weights and activations. GPU (engine torch/torchscript): fp32 (convolutions on TF32 "
-                        "tensor cores), fp16, bf16. CPU, engine openvino: auto (OpenVINO's choice where the model "
-                        "is served: bf16 on CPUs with AMX or AVX512-BF16, fp32 elsewhere), fp32, bf16; other CPU "
-                        "engines: fp32. int8 (engine openvino): the ONNX export quantized at build time, calibrated on "
-                        "--calibration DIR, checked against fp32 on those images. Default: auto (openvino), else fp32.")
+    p.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"), default=None,
+                   help="numbers the model computes in. The default, for every source, answers as the same model "
+                        "in eager PyTorch: fp32 (on GPU with TF32 convolutions, as PyTorch does there). Faster, "
+                        "asked for: CPU engine openvino: auto (OpenVINO's choice on the CPU that serves: bf16 with "
+                        "AMX or AVX512-BF16, logits within ~1e-2 of their range; fp32 elsewhere), bf16, int8 (the "
+                        "ONNX export quantized on --calibration DIR and checked against fp32 on those images); GPU "
+                        "engines torch/torchscript: fp16, bf16; engine torch on CPU: bf16. Default: fp32.")
+    p.add_argument("--input-dtype", choices=tuple(IMAGE_INPUTS), default="fp32",
+                   help="NAME's one image input, which NAME_preprocess also hands it in the ensemble. fp32: IMAGE, "
+                        "normalized; fp16: IMAGE_FP16, normalized, half the bytes; uint8: IMAGE_UINT8, the resized "
+                        "and cropped pixels, a quarter of the bytes (NAME normalizes them with the config's mean "
+                        "and std: the same logits as fp32 to float rounding). Default: fp32.")
     p.add_argument("--calibration", type=Path, metavar="DIR",
                    help="images (jpg/png/webp, up to 64) that set int8's activation ranges and check its accuracy; "
                         "use photos like the ones you will serve. Required with --precision int8. Default: none.")
@@ -200,6 +207,7 @@ def _main(args, workdir: Path) -> int:
         print(f"serving {plan.name}: {sources.describe(classifier)}; preprocessing {classifier.preprocessing}")
         for path in build(classifier, args.output, plan.options, force=args.force):
             print(f"wrote {path}")
+        print(precision_note(plan.options))
     except (BuildError, WeightsError, cfg.ConfigError) as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 1

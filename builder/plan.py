@@ -14,6 +14,11 @@ from builder.repository import Options
 from builder.weights import IMAGENET, WEIGHT_CHOICES, Preprocessing, classification_models
 from common.contract import IMAGE, buckets_for
 
+# One rule for every source (torchvision, a weights file, a model file, a .mar) and kind: the served model
+# answers as the same model in eager PyTorch on that device (CPU: fp32; GPU: fp32 with TF32 convolutions,
+# PyTorch's own default there). The faster precisions are asked for: --precision auto / bf16 / fp16 / int8.
+DEFAULT_PRECISION = "fp32"
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -119,7 +124,7 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     """The flags, each unset one taken from the archive's model-config.yaml, else the kind's default."""
     gpu, default = kind == cfg.InstanceKind.GPU, cfg.DEFAULTS[kind]
     engine = args.engine if args.engine != "auto" else ("torch" if gpu else "openvino")
-    precision = args.precision or ("auto" if engine == "openvino" else "fp32")
+    precision = args.precision or DEFAULT_PRECISION
     _check_precision(precision, engine, gpu)
     if (precision == "int8") != (args.calibration is not None):
         raise cfg.ConfigError("--precision int8 needs --calibration DIR (images like the ones you will serve)"
@@ -155,7 +160,8 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
                    kind=kind, instances=instances or default.instances, num_threads=args.num_threads,
                    engine=engine, formats=args.formats, verify=args.verify, precision=precision,
                    cuda_graphs=bool(graphs and gpu), cudnn_benchmark=args.cudnn_benchmark, buckets=buckets,
-                   decode_device=decode_device, calibration=args.calibration, image_model=image_model)
+                   decode_device=decode_device, calibration=args.calibration, image_model=image_model,
+                   input_dtype=args.input_dtype)
 
 
 def _check_precision(precision: str, engine: str, gpu: bool) -> None:
@@ -174,6 +180,29 @@ def _check_precision(precision: str, engine: str, gpu: bool) -> None:
     if precision != "fp32" and engine == "onnxruntime":
         raise cfg.ConfigError(f"--precision {precision} needs --engine torch or torchscript "
                               "(onnxruntime runs the fp32 export)")
+
+
+def precision_note(options: Options) -> str:
+    """build-repo's last words on precision: what will serve, how it compares with eager PyTorch, and the flag
+    for the faster one (the README's figures: OpenVINO bf16 2.3-4x fp32 in-process on 2 cores)."""
+    from common.cpu import cpu_bf16
+
+    if options.kind == cfg.InstanceKind.GPU:
+        if options.precision == "fp32":
+            return ("precision fp32 (TF32 convolutions, as eager PyTorch on a GPU): answers as your PyTorch does. "
+                    "Faster: --precision fp16 or bf16.")
+        return f"precision {options.precision}: faster than fp32, logits differ from eager PyTorch's in the 3rd digit."
+    here = "this CPU computes bf16 natively" if cpu_bf16() else "this CPU has no native bf16 (auto stays fp32 here)"
+    if options.precision == "fp32":
+        faster = ("--precision auto (bf16 on a CPU with AMX or AVX512-BF16; "
+                  f"{here}) or --precision int8 --calibration DIR (checked against fp32 on DIR's images)"
+                  if options.engine == "openvino" else "--engine openvino with --precision auto or int8")
+        return f"precision fp32: answers as your PyTorch does (within 1e-5 of the logits' range). Faster: {faster}."
+    if options.precision == "auto":
+        return (f"precision auto: bf16 where the serving CPU has AMX or AVX512-BF16 ({here}); logits then move "
+                "by up to ~1e-2 of their range and near-ties can swap. --precision fp32 answers as PyTorch does.")
+    return (f"precision {options.precision}: faster; answers differ from eager PyTorch's (int8 was checked against "
+            "fp32 above). --precision fp32 answers as PyTorch does.")
 
 
 def _first_set(*values):

@@ -24,7 +24,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 # What each python model's version folder holds: model.py and the modules it imports from beside it.
 CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "backends/batch_runner.py",
                     "engines.py": "backends/engines.py", "triton_io.py": "backends/triton_io.py",
-                    "contract.py": "common/contract.py", "model_code.py": "common/model_code.py"}
+                    "contract.py": "common/contract.py", "model_code.py": "common/model_code.py",
+                    "cpu.py": "common/cpu.py"}
 PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "backends/decoding.py",
                     "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
                     "transforms.py": "common/transforms.py"}
@@ -55,6 +56,7 @@ class Options:
     buckets: tuple[int, ...] = ()  # batch sizes a GPU instance pads to (and captures graphs for)
     decode_device: str = "cpu"  # gpu: NAME_preprocess on GPU instances decodes JPEGs there (experimental)
     calibration: Path | None = None  # precision int8: the images that calibrate and check the quantized model
+    input_dtype: str = "fp32"  # NAME's one image input (contract.IMAGE_INPUTS), also the ensemble's hop
     image_model: str = "ensemble"  # fused: NAME_image decodes, preprocesses and classifies in one stub
 
 
@@ -218,9 +220,9 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
         "num_threads": str(options.num_threads), "precision": options.precision,
         "cuda_graphs": "1" if options.cuda_graphs else "0", "cudnn_benchmark": "1" if options.cudnn_benchmark else "0",
         "batch_buckets": ",".join(map(str, options.buckets)), **code, **named, **common}
-    # NAME takes IMAGE, IMAGE_FP16 or IMAGE_UINT8 (exactly one per request, checked by the backend);
-    # the ensemble, the fused model and the exports keep the one input they read.
-    _config(staging / c.name, _image_inputs(side), logits, cfg.Format.PYTHON, options, classifier_parameters)
+    # NAME's one input is IMAGE, IMAGE_FP16 or IMAGE_UINT8 as built; the exports keep IMAGE (FP32).
+    hop = _image_input(side, options.input_dtype)
+    _config(staging / c.name, hop, logits, cfg.Format.PYTHON, options, classifier_parameters)
 
     pre = f"{c.name}_preprocess"
     _copy_backend(PREPROCESS_FILES, _model_dir(staging / pre, None))
@@ -229,7 +231,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     # the classifier stages the CPU tensors once per batch.
     ensemble_gpu_decode = options.decode_device == "gpu" and options.image_model == "ensemble"
     pre_options = replace(options, kind=options.kind if ensemble_gpu_decode else cfg.InstanceKind.CPU)
-    _config(staging / pre, _image_bytes(), image, cfg.Format.PYTHON, pre_options,
+    _config(staging / pre, _image_bytes(), hop, cfg.Format.PYTHON, pre_options,
             {"num_threads": str(options.num_threads), "decode_device": "gpu" if ensemble_gpu_decode else "cpu",
              **common})
 
@@ -243,8 +245,9 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
         _config(staging / image_model, _image_bytes(), logits, cfg.Format.PYTHON, options,
                 {**classifier_parameters, "decode_device": options.decode_device})
     else:
-        steps = (cfg.Step(pre, {IMAGE_BYTES: IMAGE_BYTES}, {IMAGE: "image"}),
-                 cfg.Step(c.name, {IMAGE: "image"}, {LOGITS: LOGITS}))
+        # The hop carries NAME's input as built: uint8 pixels are a quarter of IMAGE's bytes.
+        steps = (cfg.Step(pre, {IMAGE_BYTES: IMAGE_BYTES}, {hop.name: "image"}),
+                 cfg.Step(c.name, {hop.name: "image"}, {LOGITS: LOGITS}))
         _config(staging / image_model, _image_bytes(), logits, cfg.Format.ENSEMBLE, options,
                 {**named, **common}, steps)
 
@@ -334,10 +337,10 @@ def _image(side: int) -> cfg.Tensor:
     return cfg.Tensor(IMAGE, "TYPE_FP32", (3, side, side))
 
 
-def _image_inputs(side: int) -> tuple[cfg.Tensor, ...]:
-    """The python classifier's inputs, IMAGE first, all optional: a request sends one of them."""
-    return tuple(cfg.Tensor(name, f"TYPE_{dtype}", (3, side, side), optional=True)
-                 for name, dtype in IMAGE_INPUTS.values())
+def _image_input(side: int, dtype: str) -> cfg.Tensor:
+    """The python classifier's one image input, as --input-dtype chose it (contract.IMAGE_INPUTS)."""
+    name, datatype = IMAGE_INPUTS[dtype]
+    return cfg.Tensor(name, f"TYPE_{datatype}", (3, side, side))
 
 
 def _image_bytes() -> cfg.Tensor:

@@ -8,7 +8,7 @@ import numpy as np
 
 from common.cli import OneLineParser
 
-from common.contract import IMAGE as INPUT, IMAGE_INPUTS, LOGITS as OUTPUT
+from common.contract import IMAGE_INPUTS, LOGITS as OUTPUT
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "uint8": np.uint8}
 
@@ -51,28 +51,27 @@ def model_config(triton, model: str) -> dict:
     return MessageToDict(config.config, preserving_proto_field_name=True)
 
 
-def check_model(triton, model: str, dtype: str = "fp32") -> dict:
-    """Fail with one clear line unless `model` takes IMAGE FP32 [3,H,W] (and the input of `dtype`, see
-    contract.IMAGE_INPUTS) and returns LOGITS."""
+def check_model(triton, model: str) -> tuple[dict, str]:
+    """The served config and what its one image input takes ("fp32", "fp16" or "uint8", see
+    contract.IMAGE_INPUTS: build-repo's --input-dtype); one clear line unless `model` takes one of those
+    [3, H, W] and returns LOGITS."""
     if not triton.is_server_ready():
         raise ClientError("server is not ready")
     if not triton.is_model_ready(model):
         raise ClientError(f"model {model!r} is not ready on the server")
     config = model_config(triton, model)
-    inputs = {t["name"]: t for t in config.get("input", [])}
-    outputs = {t["name"]: t for t in config.get("output", [])}
-    image = inputs.get(INPUT)
-    if image is None or OUTPUT not in outputs:
-        raise ClientError(f"model {model!r} has inputs {sorted(inputs)} and outputs {sorted(outputs)}; "
-                          f"expected input {INPUT} and output {OUTPUT}")
-    dims = [int(d) for d in image["dims"]]
-    if image.get("data_type") != "TYPE_FP32" or len(dims) != 3 or dims[0] != 3:
-        raise ClientError(f"{model}.{INPUT} is {image.get('data_type')} {dims}; expected TYPE_FP32 [3, H, W]")
-    name, datatype = IMAGE_INPUTS[dtype]
-    if inputs.get(name, {}).get("data_type") != f"TYPE_{datatype}":
-        raise ClientError(f"model {model!r} takes no {datatype} input {name} (inputs {sorted(inputs)}): "
-                          f"rebuild it with build-repo, or send --input-dtype fp32")
-    return config
+    inputs = config.get("input", [])
+    outputs = {t["name"] for t in config.get("output", [])}
+    known = {name: (dtype, f"TYPE_{datatype}") for dtype, (name, datatype) in IMAGE_INPUTS.items()}
+    image = inputs[0] if inputs else {}
+    if image.get("name") not in known or OUTPUT not in outputs:
+        raise ClientError(f"model {model!r} has inputs {[t['name'] for t in inputs]} and outputs {sorted(outputs)}; "
+                          f"expected one of the inputs {', '.join(known)} and the output {OUTPUT}")
+    dtype, datatype = known[image["name"]]
+    dims = [int(d) for d in image.get("dims", [])]
+    if image.get("data_type") != datatype or len(dims) != 3 or dims[0] != 3:
+        raise ClientError(f"{model}.{image['name']} is {image.get('data_type')} {dims}; expected {datatype} [3, H, W]")
+    return config, dtype
 
 
 def _parameters(config: dict) -> dict[str, str]:
@@ -132,10 +131,10 @@ def labels_for(config: dict) -> list[str]:
     return list(torchvision.models.get_weight(params["preprocess_weights"]).meta["categories"])
 
 
-def classify(paths: list[Path], url: str, protocol: str, model: str, k: int,
-             dtype: str = "fp32") -> list[list[tuple[str, float]]]:
+def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> list[list[tuple[str, float]]]:
+    """The tensor path: preprocessed here as the model's config records, sent as its input takes it."""
     client, triton = connect(url, protocol)
-    config = check_model(triton, model, dtype)
+    config, dtype = check_model(triton, model)
     weights = config.get("parameters", {}).get("weights", {}).get("string_value", "")
     if weights.startswith("random"):
         print(f"WARNING: {model} serves {weights} weights: these labels are meaningless.", file=sys.stderr)
@@ -181,20 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true",
                    help="send the files' bytes to MODEL_image (decoding and preprocessing on the server, like "
                         "TorchServe's `curl -T kitten.jpg`). Default: off (preprocess here, send tensors).")
-    p.add_argument("--input-dtype", choices=tuple(IMAGE_INPUTS), default="fp32",
-                   help="tensor path: what to send. fp32: normalized IMAGE; fp16: the same as IMAGE_FP16 (half the "
-                        "bytes); uint8: the resized and cropped pixels as IMAGE_UINT8 (a quarter; the server "
-                        "normalizes them). Default: fp32.")
     args = p.parse_args(argv)
     if args.top_k < 1:
         p.error("--top-k must be >= 1")
-    if args.raw and args.input_dtype != "fp32":
-        p.error("--input-dtype applies to the tensor path; --raw sends the files' bytes")
     try:
         if args.raw:
             results = classify_raw(args.images, args.url, args.protocol, args.model, args.top_k)
         else:
-            results = classify(args.images, args.url, args.protocol, args.model, args.top_k, args.input_dtype)
+            results = classify(args.images, args.url, args.protocol, args.model, args.top_k)
     except ClientError as exc:
         print(f"classify: error: {exc}", file=sys.stderr)
         return 1

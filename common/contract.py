@@ -12,8 +12,9 @@ IMAGE_BYTES = "IMAGE_BYTES"  # BYTES [N, 1]: encoded images (JPEG, PNG, ...), th
 IMAGE_FP16 = "IMAGE_FP16"    # FP16 [N, 3, H, W]: IMAGE in half the bytes, cast to float on the device
 IMAGE_UINT8 = "IMAGE_UINT8"  # UINT8 [N, 3, H, W]: pixels 0..255 after resize + center crop, not normalized:
                              # the classifier normalizes them on its device with the config's mean/std
-# The classifier NAME's inputs by the client's --input-dtype: (name, Triton data type). A request sends
-# exactly one; IMAGE comes first (input 0 of the config, which the ensemble and the clients read).
+# The classifier NAME's one image input, by build-repo's --input-dtype: (name, Triton data type). Chosen when
+# the repository is built, so the metadata is the whole contract (perf_analyzer, Model Analyzer and KServe-v2
+# clients fill the one input they read); NAME_preprocess hands NAME the same tensor in the ensemble.
 IMAGE_INPUTS = {"fp32": (IMAGE, "FP32"), "fp16": (IMAGE_FP16, "FP16"), "uint8": (IMAGE_UINT8, "UINT8")}
 
 # Model config parameters that build-repo writes and the backends or clients read (string values).
@@ -25,7 +26,7 @@ PARAMETERS = {
     "torchvision_model": "the torchvision architecture the weights fit",
     "num_classes": "rows of LOGITS",
     "num_threads": "threads per instance; 0: the engine's default (preprocess: 1 on CPU, 4 on GPU)",
-    "precision": "fp32, fp16 or bf16 (GPU instances)",
+    "precision": "fp32 (the default: eager PyTorch's answers), auto, fp16, bf16 or int8",
     "cuda_graphs": "1: one CUDA graph per batch bucket",
     "cudnn_benchmark": "1: cuDNN picks its algorithms per bucket at load time",
     "batch_buckets": "comma list of batch sizes a GPU instance pads to",

@@ -246,7 +246,7 @@ ISA_FLAGS = ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx512f", "a
 
 def cpuinfo(field: str) -> str:
     """A /proc/cpuinfo field, as the backend reads it (backends.engines.cpuinfo); "?" for an unknown CPU model."""
-    from backends.engines import cpuinfo as read
+    from common.cpu import cpuinfo as read
 
     return read(field) or (platform.processor() or "?" if field == "model name" else "")
 

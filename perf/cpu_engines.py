@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def default_variants(quick: bool) -> list[str]:
-    from backends.engines import cpu_bf16
+    from common.cpu import cpu_bf16
 
     if quick:
         return ["openvino:auto", "onnxruntime:fp32"]

@@ -35,9 +35,9 @@ def parser():
                    help="images in each tensor-path request (fewer, larger requests). Default: 1.")
     p.add_argument("--processes", type=int, default=8, help="client processes. Default: 8.")
     p.add_argument("--input-dtype", choices=tuple(IMAGE_INPUTS), default="fp32",
-                   help="what tensor-path clients (and the in-process runner) send: fp32 IMAGE, fp16 IMAGE_FP16 "
-                        "(half the bytes) or uint8 IMAGE_UINT8 pixels (a quarter, normalized on the GPU). "
-                        "Default: fp32.")
+                   help="the classifier's one input (build-repo --input-dtype), which tensor-path clients and the "
+                        "in-process runner send: fp32 IMAGE, fp16 IMAGE_FP16 (half the bytes) or uint8 IMAGE_UINT8 "
+                        "pixels (a quarter, normalized on the GPU). Default: fp32.")
     p.add_argument("--jpeg", type=Path, default=Path("clients/samples/chelsea.jpg"),
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
     p.add_argument("--instances", type=int, default=None,
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
     first = next((item.split(":") for item in args.plan if ":" in item), ["fp32", "0"])
     if build_repo.main(["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", args.kind,
-                        "--image-model", args.image_model, "--precision", first[0],
+                        "--image-model", args.image_model, "--precision", first[0], "--input-dtype", args.input_dtype,
                         *(["--instances", str(args.instances)] if args.instances else []), "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
         return 1
     result = {"command": " ".join(["python -m perf.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),

@@ -6,6 +6,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -135,7 +136,7 @@ class TritonServer:
                 status = self._process.returncode
                 self._reap()
                 raise ServerError(f"tritonserver exited with status {status}: {self.reason()}")
-            if self.ready():
+            if self.ready() and self._metrics_listening():
                 return self
             if abort is None:
                 time.sleep(0.2)
@@ -169,6 +170,17 @@ class TritonServer:
 
     def ready(self) -> bool:
         return self._get("/v2/health/ready") == 200
+
+    def _metrics_listening(self) -> bool:
+        """Triton opens its metrics port just after HTTP reports ready: a start is done when that port takes
+        connections too (a test reading /metrics right after start was refused on a busy machine)."""
+        if any(arg.replace(" ", "=") in ("--allow-metrics=false", "--allow-metrics=0") for arg in self.extra_args):
+            return True
+        try:
+            socket.create_connection((self.host, self.ports["metrics"]), timeout=1).close()
+            return True
+        except OSError:
+            return False
 
     def model_ready(self, name: str) -> bool:
         return self._get(f"/v2/models/{name}/ready") == 200

@@ -16,11 +16,11 @@ SEED = 0
 
 
 def build(output: Path, *args: str, model: str = SMALL) -> None:
-    """build-repo with seeded random weights on CPU instances, in fp32: the CPU default engine (openvino)
-    would otherwise pick bf16 where the CPU has it, and served rows are compared with eager torch within
-    1e-4 (tests/test_openvino.py covers precision auto). Later args override these."""
+    """build-repo with seeded random weights on CPU instances, every other flag at its default (precision
+    fp32: served rows are compared with eager torch within 1e-4; tests/test_openvino.py covers precision
+    auto). Later args override these."""
     argv = ["--model", model, "--weights", "random", "--seed", str(SEED), "--output", str(output),
-            "--kind", "cpu", "--precision", "fp32", *args]
+            "--kind", "cpu", *args]
     assert build_repo.main(argv) == 0, f"build-repo {' '.join(argv)} failed"
 
 

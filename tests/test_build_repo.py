@@ -27,10 +27,10 @@ def test_build_repo_writes_config_with_requested_batching_when_given_issue_argum
     assert config.name == SMALL and config.backend == "python"
     assert config.max_batch_size == 8
     assert config.dynamic_batching.max_queue_delay_microseconds == 2000
-    # IMAGE first (the ensemble and the clients read input 0), then the compact inputs; a request sends one.
-    assert [t.name for t in config.input] == ["IMAGE", "IMAGE_FP16", "IMAGE_UINT8"]
-    assert [t.data_type for t in config.input] == [mc.TYPE_FP32, mc.TYPE_FP16, mc.TYPE_UINT8]
-    assert all(list(t.dims) == [3, 224, 224] and t.optional for t in config.input)
+    # One required input (--input-dtype fp32 by default): what perf_analyzer and KServe-v2 clients read.
+    assert [(t.name, t.data_type, list(t.dims), t.optional) for t in config.input] == [
+        ("IMAGE", mc.TYPE_FP32, [3, 224, 224], False)]
+    assert config.parameters["precision"].string_value == "fp32"
     ensemble = read_config(built / f"{SMALL}_image")
     assert [t.name for t in ensemble.input] == ["IMAGE_BYTES"] and not ensemble.input[0].optional
     assert dict(ensemble.ensemble_scheduling.step[1].input_map) == {"IMAGE": "image"}

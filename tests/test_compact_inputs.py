@@ -1,4 +1,5 @@
-"""Compact inputs: IMAGE_UINT8 pixels and IMAGE_FP16 give IMAGE's logits, normalized where the model runs."""
+"""Compact inputs, chosen when the repository is built (--input-dtype): IMAGE_UINT8 pixels and IMAGE_FP16 give
+IMAGE's logits, normalized where the model runs; the ensemble hands the classifier the same compact tensor."""
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.utils import InferenceServerException
 
 from backends.batch_runner import BatchRunner
@@ -15,11 +17,23 @@ from common.contract import IMAGE_INPUTS, mean_std
 from common.modelconfig import parameters, read_config
 from common.transforms import pixels_from_parameters, transform_from_parameters
 from images import CAT, cat
-from support import SMALL, reference_logits, relative_error
+from server.triton import TritonServer
+from support import SMALL, build, reference_logits, relative_error
 
 IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here: the GPU path needs one (CI has none)"))]
+MODELS = {"fp32": SMALL, "fp16": f"{SMALL}_fp16", "uint8": f"{SMALL}_uint8"}
+
+
+@pytest.fixture(scope="module")
+def compact(tmp_path_factory):
+    """resnet18 (same seed) built three times, one per --input-dtype, served by one real tritonserver."""
+    repo = tmp_path_factory.mktemp("compact") / "model_repository"
+    for dtype, name in MODELS.items():
+        build(repo, "--input-dtype", dtype, "--name", name, "--max-batch-size", "8", "--max-queue-delay-us", "2000")
+    with TritonServer.local(repo) as server:
+        yield repo, server
 
 
 def _normalize(pixels: np.ndarray, stats=IMAGENET) -> np.ndarray:
@@ -33,7 +47,7 @@ def _as(dtype: str, pixels: np.ndarray) -> np.ndarray:
     return pixels if dtype == "uint8" else _normalize(pixels).astype(np.float16 if dtype == "fp16" else np.float32)
 
 
-def _send(url: str, protocol: str, tensors: dict[str, np.ndarray], model: str = SMALL) -> np.ndarray:
+def _send(url: str, protocol: str, tensors: dict[str, np.ndarray], model: str) -> np.ndarray:
     """One request carrying `tensors` ({input name: array}); the Triton data type follows the array's."""
     module = httpclient if protocol == "http" else grpcclient
     datatypes = {np.dtype(np.float32): "FP32", np.dtype(np.float16): "FP16", np.dtype(np.uint8): "UINT8"}
@@ -49,22 +63,47 @@ def _input(dtype: str, array: np.ndarray) -> dict[str, np.ndarray]:
     return {IMAGE_INPUTS[dtype][0]: array}
 
 
+def _send_jpeg(url: str, model: str) -> np.ndarray:
+    tensor = httpclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[CAT.read_bytes()]], dtype=object))
+    return httpclient.InferenceServerClient(url).infer(model, [tensor]).as_numpy("LOGITS")
+
+
+def test_build_repo_writes_one_required_input_and_the_same_hop_when_input_dtype_is_chosen(compact):
+    repo, _ = compact
+    for dtype, name in MODELS.items():
+        tensor, datatype = IMAGE_INPUTS[dtype]
+        config = read_config(repo / name)
+        assert [(t.name, mc.DataType.Name(t.data_type), t.optional) for t in config.input] == \
+            [(tensor, f"TYPE_{datatype}", False)]
+        pre = read_config(repo / f"{name}_preprocess")
+        assert [(t.name, mc.DataType.Name(t.data_type)) for t in pre.output] == [(tensor, f"TYPE_{datatype}")]
+        steps = read_config(repo / f"{name}_image").ensemble_scheduling.step
+        assert dict(steps[0].output_map) == {tensor: "image"} and dict(steps[1].input_map) == {tensor: "image"}
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_same_photo_gives_same_logits_when_sent_as_uint8_fp16_or_fp32(server, repository, small_model, protocol):
+def test_same_photo_gives_same_logits_when_the_model_takes_uint8_fp16_or_fp32(compact, small_model, protocol):
+    repo, server = compact
     url = server.http_url if protocol == "http" else server.grpc_url
-    if not url:
-        pytest.skip("TRITON_GRPC_URL not set for the external server")
-    params = parameters(read_config(repository / SMALL))
+    params = parameters(read_config(repo / SMALL))
     normalized = transform_from_parameters(params)(cat()).numpy()[None]
     pixels = pixels_from_parameters(params)(cat()).numpy()[None]
     assert pixels.dtype == np.uint8 and pixels.shape == normalized.shape == (1, 3, 224, 224)
     sent = {"fp32": normalized, "fp16": normalized.astype(np.float16), "uint8": pixels}
-    served = {dtype: _send(url, protocol, _input(dtype, batch)) for dtype, batch in sent.items()}
+    served = {dtype: _send(url, protocol, _input(dtype, batch), MODELS[dtype]) for dtype, batch in sent.items()}
     assert relative_error(served["fp32"], reference_logits(small_model, normalized)) <= 1e-4
     assert relative_error(served["uint8"], served["fp32"]) <= 1e-5
     assert relative_error(served["fp16"], served["fp32"]) <= 1e-2
     assert {dtype: int(logits.argmax()) for dtype, logits in served.items()} == \
         dict.fromkeys(sent, int(served["fp32"].argmax()))
+
+
+def test_image_path_gives_fp32_logits_when_the_hop_is_uint8_or_fp16(compact):
+    _, server = compact
+    served = {dtype: _send_jpeg(server.http_url, f"{name}_image") for dtype, name in MODELS.items()}
+    assert relative_error(served["uint8"], served["fp32"]) <= 1e-5  # PIL resizes in uint8: the hop loses nothing
+    assert relative_error(served["fp16"], served["fp32"]) <= 1e-2
 
 
 ZEROS = np.zeros((1, 3, 224, 224), np.float32)
@@ -74,27 +113,27 @@ PIXELS = np.zeros((1, 3, 224, 224), np.uint8)
 @pytest.mark.parametrize(
     ("tensors", "message"),
     [
-        ({"IMAGE": ZEROS, "IMAGE_UINT8": PIXELS}, "exactly one of the inputs IMAGE, IMAGE_FP16, IMAGE_UINT8"),
+        ({"IMAGE": ZEROS}, "IMAGE"),
         ({"IMAGE_UINT8": ZEROS}, "IMAGE_UINT8"),
-        ({"IMAGE_FP16": np.zeros((1, 3, 100, 100), np.float16)}, "unexpected shape"),
+        ({"IMAGE_UINT8": np.zeros((1, 3, 100, 100), np.uint8)}, "unexpected shape"),
     ],
-    ids=["two-inputs", "uint8-input-sent-as-fp32", "fp16-small-image"],
+    ids=["another-models-input", "uint8-input-sent-as-fp32", "small-image"],
 )
-def test_bad_request_gets_error_and_mixed_neighbours_succeed_when_sent_concurrently(
-        server, small_model, tensors, message):
+def test_bad_request_gets_error_and_neighbours_succeed_when_sent_concurrently(compact, small_model, tensors, message):
+    _, server = compact
     pixels = np.random.default_rng(2).integers(0, 256, (6, 3, 224, 224), dtype=np.uint8)
-    dtypes = ["fp32", "fp16", "uint8"] * 2  # neighbours of every dtype, batched together with the bad one
+    model = MODELS["uint8"]
     with ThreadPoolExecutor(7) as pool:
-        bad = pool.submit(_send, server.http_url, "http", tensors)
-        neighbours = [pool.submit(_send, server.http_url, "http", _input(d, _as(d, pixels[i:i + 1])))
-                      for i, d in enumerate(dtypes)]
+        bad = pool.submit(_send, server.http_url, "http", tensors, model)
+        neighbours = [pool.submit(_send, server.http_url, "http", _input("uint8", pixels[i:i + 1]), model)
+                      for i in range(len(pixels))]
         with pytest.raises(InferenceServerException, match=message):
             bad.result()
         served = [f.result() for f in neighbours]
     expected = reference_logits(small_model, _normalize(pixels))
-    for i, (dtype, rows) in enumerate(zip(dtypes, served)):
-        assert relative_error(rows, expected[i:i + 1]) <= (1e-2 if dtype == "fp16" else 1e-4), f"request {i}"
-    assert httpclient.InferenceServerClient(server.http_url).is_model_ready(SMALL)
+    for i, rows in enumerate(served):
+        assert relative_error(rows, expected[i:i + 1]) <= 1e-4, f"request {i}"
+    assert httpclient.InferenceServerClient(server.http_url).is_model_ready(model)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -126,21 +165,14 @@ def test_mean_std_reads_the_config_parameters_when_present():
     assert mean_std({"preprocess_weights": "ResNet18_Weights.IMAGENET1K_V1"}) is None
 
 
-def _top(capsys, url: str, *options: str) -> list[tuple[str, float]]:
-    assert classify.main([str(CAT), "--url", url, "--model", SMALL, "--top-k", "3", *options]) == 0
+def _top(capsys, url: str, model: str) -> list[tuple[str, float]]:
+    assert classify.main([str(CAT), "--url", url, "--model", model, "--top-k", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     return [(label, float(p)) for label, p in (re.fullmatch(r'\s+"(.+)": ([0-9.]+)', l).groups() for l in lines[1:])]
 
 
-def test_classify_prints_fp32_top1_when_input_dtype_is_uint8_or_fp16(server, capsys):
-    fp32 = _top(capsys, server.http_url)
-    uint8 = _top(capsys, server.http_url, "--input-dtype", "uint8")
-    fp16 = _top(capsys, server.http_url, "--input-dtype", "fp16")
+def test_classify_sends_what_the_model_takes_and_prints_fp32s_answer_when_its_input_is_compact(compact, capsys):
+    _, server = compact
+    fp32, uint8, fp16 = (_top(capsys, server.http_url, MODELS[d]) for d in ("fp32", "uint8", "fp16"))
     assert uint8[0][0] == fp16[0][0] == fp32[0][0]
     np.testing.assert_allclose([p for _, p in uint8], [p for _, p in fp32], atol=1e-5)
-
-
-def test_classify_refuses_input_dtype_when_raw(server, capsys):
-    with pytest.raises(SystemExit):
-        classify.main([str(CAT), "--url", server.http_url, "--raw", "--input-dtype", "uint8"])
-    assert "--input-dtype" in capsys.readouterr().err

@@ -27,6 +27,8 @@ from server.triton import TritonServer
 
 IMAGENET = torchvision.models.ResNet18_Weights.DEFAULT.meta["categories"]
 CAT_CLASSES = {"Egyptian_cat", "tabby", "tiger_cat"}
+DEFAULTS = "effnet-defaults"  # the EfficientNet-Lite0 archive built with build-repo's defaults
+PHOTOS = ("coffee", "rocket", "astronaut", "stereo_motorcycle", "chelsea")  # scikit-image's, and the sample cat
 
 # The seed's resnet-152-batch_v2 model file, with resnet18's shape to keep it fast. Running it would
 # leave a marker file: the migration must serve these weights with torchvision's code instead.
@@ -69,8 +71,8 @@ def _tiny_module() -> torch.nn.Module:
 
 
 def _build(*argv: str) -> None:
-    # fp32: the answers are compared with TorchServe's pipeline within 1e-4 (bf16 is tests/test_openvino.py's)
-    assert build_repo.main([*argv, "--kind", "cpu", "--precision", "fp32"]) == 0, f"build-repo {' '.join(argv)} failed"
+    # The defaults (precision fp32): the answers are compared with TorchServe's pipeline
+    assert build_repo.main([*argv, "--kind", "cpu"]) == 0, f"build-repo {' '.join(argv)} failed"
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,9 @@ def migrated(made, tmp_path_factory):
     _build("--from-mar", str(made["seed_mar"]), "--output", out)
     _build("--from-mar", str(made["tiny_mar"]), "--trust-model-code", "--engine", "torch", "--output", out)
     _build("--from-mar", str(made["effnet_mar"]), "--trust-model-code", "--engine", "torch", "--output", out)
+    # Nothing but what the archive needs: the defaults a TorchServe user gets (engine openvino, precision fp32).
+    assert build_repo.main(["--from-mar", str(made["effnet_mar"]), "--trust-model-code", "--name", DEFAULTS,
+                            "--output", out]) == 0
     _build("--model-file", str(made["effnet_file"]), "--weights", str(made["folder"] / "efficientnet-lite0.pth"),
            "--labels", str(made["folder"] / "imagenet_index_to_name.json"), "--preprocess", "imagenet",
            "--name", "effnet_file", "--output", out)  # default CPU engine: openvino on the ONNX export
@@ -181,6 +186,50 @@ def test_real_pretrained_model_puts_the_cat_classes_on_top_when_served(made, ser
     served_top5 = _classify(served.http_url, model, True, capsys)
     assert {label for label, _ in served_top5[:3]} == CAT_CLASSES, served_top5
     _assert_same(served_top5, torchserve_top5(efficientnet_module(), [n.replace(" ", "_") for n in IMAGENET]))
+
+
+def _handler_logits(model: torch.nn.Module, path: Path) -> np.ndarray:
+    """TorchServe's image_classifier pipeline in-process, before its softmax."""
+    from torchvision import transforms
+
+    preprocess = transforms.Compose([
+        transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
+        transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+    from PIL import Image
+
+    with torch.inference_mode():
+        return model(preprocess(Image.open(path).convert("RGB"))[None]).numpy()
+
+
+def test_archive_built_with_defaults_answers_as_torchserves_pipeline_when_real_photos_are_sent(
+        made, served, tmp_path):
+    """The migration promise: a .mar built and served with the defaults gives TorchServe's answers, photo by
+    photo (real EfficientNet-Lite0 weights; logits within 1e-5 of their range, the same top-5 in order)."""
+    import tritonclient.http as httpclient
+    from PIL import Image
+    from skimage import data
+
+    paths = []
+    for name in PHOTOS:
+        pixels = getattr(data, name)()
+        path = tmp_path / f"{name}.png"  # lossless: server and reference decode the very same pixels
+        Image.fromarray(pixels[0] if isinstance(pixels, tuple) else pixels).convert("RGB").save(path)
+        paths.append(path)
+    paths.append(CAT)
+    module, client = efficientnet_module(), httpclient.InferenceServerClient(served.http_url)
+    for path in paths:
+        tensor = httpclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[path.read_bytes()]], dtype=object))
+        logits = client.infer(f"{DEFAULTS}_image", [tensor]).as_numpy("LOGITS")
+        expected = _handler_logits(module, path)
+        error = float(np.abs(logits - expected).max() / (expected.max() - expected.min()))
+        assert error <= 1e-5, f"{path.name}: served logits differ by {error:.2e} of their range"
+        assert list(np.argsort(-logits[0])[:5]) == list(np.argsort(-expected[0])[:5]), path.name
+
+
+def test_archive_built_with_defaults_serves_fp32_with_openvino_when_nothing_is_asked(migrated):
+    params = {key: value.string_value for key, value in read_config(migrated / DEFAULTS).parameters.items()}
+    assert (params["engine"], params["precision"]) == ("openvino", "fp32")
 
 
 # --- malformed archives: one line, non-zero, nothing written ------------------------------------------

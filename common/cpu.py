@@ -1,0 +1,21 @@
+"""What the CPU offers, read from /proc/cpuinfo: the backend picks its path by it, build-repo reports it.
+
+build-repo copies this file beside the classifier's model.py, so it must stay self-contained.
+"""
+from __future__ import annotations
+
+
+def cpuinfo(field: str) -> str:
+    """The first `field` of /proc/cpuinfo ("model name", "flags"); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":")[0].strip() == field), "")
+    except OSError:
+        return ""
+
+
+def cpu_bf16() -> bool:
+    """True where the CPU computes bf16 natively (AMX-BF16 or AVX512-BF16): elsewhere oneDNN emulates it,
+    slower than fp32."""
+    flags = cpuinfo("flags").split()
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -1,0 +1,140 @@
+"""Low-load tail and overload bound of a build: closed-loop requests at concurrency 1 and 2 on the tensor and
+image paths over HTTP and gRPC (every latency kept: p50, p99, max, how many over 5x p50), then open-loop
+load at 4x capacity (accepted p99 against the queue timeout, how fast a rejection comes back).
+
+Triton 2.51's dynamic batcher stops prefetching when a queue policy is set, and then can sleep 500 ms
+with a request queued (README, "No stall by default"): this measures, per build, whether that happens.
+
+    python -m perf.stalls --out perf/results/stalls-resnet18.json                      # the defaults
+    python -m perf.stalls --label one-instance --build-flags=--instances=1 --out ...   # another build
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common.cli import OneLineParser
+
+SLOW = 5  # a request is a stall above SLOW x the run's p50
+
+
+def _client(protocol: str, url: str):
+    if protocol == "grpc":
+        import tritonclient.grpc as module
+    else:
+        import tritonclient.http as module
+    return module, module.InferenceServerClient(url)
+
+
+def _inputs(module, path: str, image: np.ndarray, jpeg: bytes):
+    if path == "image":
+        tensor = module.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[jpeg]], dtype=object))
+    else:
+        tensor = module.InferInput("IMAGE", list(image.shape), "FP32")
+        tensor.set_data_from_numpy(image)
+    return [tensor]
+
+
+def closed_loop(urls: dict, model: str, path: str, protocol: str, concurrency: int, requests: int,
+                image: np.ndarray, jpeg: bytes) -> dict:
+    """`concurrency` clients, each sending its next request the instant its answer arrives, `requests` in all."""
+    latencies, errors, lock = [], [], threading.Lock()
+    target = f"{model}_image" if path == "image" else model
+    per_client = -(-requests // concurrency)
+
+    def client():
+        module, triton = _client(protocol, urls[protocol])
+        inputs = _inputs(module, path, image, jpeg)
+        triton.infer(target, inputs)  # warm: connection, first batch
+        mine = []
+        for _ in range(per_client):
+            sent = time.perf_counter()
+            try:
+                triton.infer(target, inputs)
+                mine.append(time.perf_counter() - sent)
+            except Exception as exc:  # noqa: BLE001 - counted, not raised
+                errors.append(str(exc)[:200])
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ms = np.array(latencies) * 1000
+    p50 = float(np.percentile(ms, 50))
+    return {"path": path, "protocol": protocol, "concurrency": concurrency, "requests": len(latencies),
+            "errors": len(errors), "p50_ms": round(p50, 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
+            "max_ms": round(float(ms.max()), 2), "max_over_p50": round(float(ms.max()) / p50, 2),
+            f"over_{SLOW}x_p50": int((ms > SLOW * p50).sum()), "over_300_ms": int((ms > 300).sum())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="python -m perf.stalls", description=__doc__)
+    p.add_argument("--model", default="resnet18", help="torchvision model (random weights). Default: resnet18.")
+    p.add_argument("--label", default="defaults", help="name of the build in the results. Default: defaults.")
+    p.add_argument("--build-flags", default="", help="build-repo flags over the defaults, one string. Default: none.")
+    p.add_argument("--requests", type=int, default=2000, help="requests per run. Default: 2000.")
+    p.add_argument("--overload-seconds", type=float, default=20, help="open loop at 4x capacity; 0 skips. Default: 20.")
+    p.add_argument("--out", type=Path, help="JSON to write (one entry per --label, others kept). Default: none.")
+    args = p.parse_args(argv)
+
+    from builder import cli as build_repo
+    from common.cpu import cpuinfo
+    from perf.loadgen import run_load
+    from perf.overload import open_loop
+    from perf.samples import CAT
+    from server.triton import TritonServer
+
+    image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    jpeg = CAT.read_bytes()
+    with tempfile.TemporaryDirectory(prefix="stalls-") as tmp:
+        repo = Path(tmp) / "repo"
+        flags = ["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", "cpu",
+                 *shlex.split(args.build_flags)]
+        if build_repo.main(flags):
+            print("perf.stalls: build-repo failed", file=sys.stderr)
+            return 1
+        config = (repo / args.model / "config.pbtxt").read_text()
+        with TritonServer.local(repo) as server:
+            urls = {"http": server.http_url, "grpc": server.grpc_url}
+            runs = []
+            for path in ("tensor", "image"):
+                for protocol in ("grpc", "http"):
+                    for concurrency in (1, 2):
+                        run = closed_loop(urls, args.model, path, protocol, concurrency, args.requests, image, jpeg)
+                        runs.append(run)
+                        print(json.dumps(run), flush=True)
+            overload = None
+            if args.overload_seconds > 0:
+                capacity = run_load(server.http_url, args.model, 8, 10, image, label="capacity").throughput
+                overload = open_loop(server.grpc_url, args.model, image, 4 * capacity, args.overload_seconds)
+                overload.update(factor=4, capacity_req_per_s=round(capacity, 1))
+                print(json.dumps(overload), flush=True)
+            ready = server.ready()
+    entry = {"command": " ".join(["python -m perf.stalls", *(argv if argv is not None else sys.argv[1:])]),
+             "cpu": cpuinfo("model name"), "build_flags": shlex.split(args.build_flags),
+             "queue_policy": "default_queue_policy" in config, "instances": config.count("instance_group"),
+             "runs": runs, "worst_max_over_p50": max(run["max_over_p50"] for run in runs),
+             "stalls": sum(run[f"over_{SLOW}x_p50"] for run in runs), "overload_4x": overload,
+             "server_ready_after": ready}
+    if args.out:
+        results = json.loads(args.out.read_text()) if args.out.exists() else {}
+        results[args.label] = entry
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in entry.items() if k != "runs"}, indent=1))
+    return 0 if ready else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
