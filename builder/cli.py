@@ -51,24 +51,24 @@ def _delay_ms(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="build-repo", description=__doc__)
-    p.add_argument("--model", help="torchvision classification model. Default: resnet152 (unless --from-mar or "
+    p.add_argument("--model", metavar="NAME", help="torchvision classification model. Default: resnet152 (unless --from-mar or "
                                    "--model-file).")
     p.add_argument("--from-mar", type=Path, metavar="FILE.mar",
                    help="migrate a TorchServe model archive: its weights (served with torchvision's code when they "
                         "fit a torchvision architecture exactly), index_to_name.json, handler preprocessing "
-                        "(image_classifier) and model-config.yaml batching (flags override).")
-    p.add_argument("--max-archive-gb", type=_positive_float, default=mar.DEFAULT_MAX_EXTRACTED_BYTES / (1 << 30),
+                        "(image_classifier) and model-config.yaml batching (flags override). Default: none.")
+    p.add_argument("--max-archive-gb", metavar="GB", type=_positive_float, default=mar.DEFAULT_MAX_EXTRACTED_BYTES / (1 << 30),
                    help="with --from-mar: the most an archive may expand to when extracted, in GiB; refused before "
                         "extracting (declared sizes) and while extracting (bytes counted). Default: 8.")
     p.add_argument("--model-file", type=Path, metavar="FILE.py",
                    help="your model code (TorchServe's convention: one nn.Module class, no-argument constructor); "
-                        "needs --weights PATH and the preprocessing (--preprocess or --resize/--crop/--mean/--std).")
-    p.add_argument("--model-class", help="the class in --model-file (or the archive's model file) when it "
+                        "needs --weights PATH and the preprocessing (--preprocess or --resize/--crop/--mean/--std). Default: none.")
+    p.add_argument("--model-class", metavar="CLASS", help="the class in --model-file (or the archive's model file) when it "
                                          "defines several. Default: the only one.")
     p.add_argument("--trust-model-code", action="store_true",
                    help="allow running the archive's model file when its weights fit no torchvision model. It "
                         "executes code from the archive: only for archives you trust. Default: off.")
-    p.add_argument("--name", help="served model name (NAME, NAME_preprocess, NAME_image). Default: the model, "
+    p.add_argument("--name", metavar="NAME", help="served model name (NAME, NAME_preprocess, NAME_image). Default: the model, "
                                   "the archive's model name, or the model file's name.")
     p.add_argument("--weights", metavar="|".join(WEIGHT_CHOICES) + "|PATH",
                    help="auto: pretrained DEFAULT if downloadable or cached, else random with a warning; "
@@ -81,33 +81,34 @@ def parser() -> argparse.ArgumentParser:
     pre.add_argument("--preprocess", choices=("imagenet",),
                      help=f"imagenet: TorchServe's image_classifier, {IMAGENET}. Default: the torchvision "
                           "weights' transforms(), or the archive handler's.")
-    pre.add_argument("--resize", type=_positive, help="shorter side after resizing, in pixels.")
-    pre.add_argument("--crop", type=_positive, help="side of the center crop the model sees, in pixels.")
-    pre.add_argument("--mean", type=float, nargs=3, metavar=("R", "G", "B"), help="per-channel mean on [0, 1].")
-    pre.add_argument("--std", type=float, nargs=3, metavar=("R", "G", "B"), help="per-channel std on [0, 1].")
+    pre.add_argument("--resize", metavar="N", type=_positive, help="shorter side after resizing, in pixels. Default: the preset's (--preprocess, weights, archive).")
+    pre.add_argument("--crop", metavar="N", type=_positive, help="side of the center crop the model sees, in pixels. Default: the preset's.")
+    pre.add_argument("--mean", type=float, nargs=3, metavar=("R", "G", "B"), help="per-channel mean on [0, 1]. Default: the preset's.")
+    pre.add_argument("--std", type=float, nargs=3, metavar=("R", "G", "B"), help="per-channel std on [0, 1]. Default: the preset's.")
     pre.add_argument("--interpolation", choices=("bilinear", "bicubic", "nearest", "nearest-exact", "lanczos",
                                                   "box", "hamming"),
                      help="resize filter. Default: bilinear (or the torchvision weights').")
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights. Default: 0.")
-    p.add_argument("--output", type=Path, default=Path("model_repository"),
+    p.add_argument("--seed", metavar="N", type=int, default=0, help="seed for random weights. Default: 0.")
+    p.add_argument("--output", metavar="DIR", type=Path, default=Path("model_repository"),
                    help="model repository directory. Default: model_repository.")
     cpu, gpu = cfg.DEFAULTS[cfg.InstanceKind.CPU], cfg.DEFAULTS[cfg.InstanceKind.GPU]
-    p.add_argument("--max-batch-size", "--batch-size", dest="max_batch_size", type=_non_negative,
+    p.add_argument("--max-batch-size", "--batch-size", metavar="N", dest="max_batch_size", type=_non_negative,
                    help=f"largest batch Triton forms; 0 disables batching (TorchServe: batch_size). "
                         f"Default: {cpu.max_batch_size} (cpu), {gpu.max_batch_size} (gpu).")
     delay = p.add_mutually_exclusive_group()
-    delay.add_argument("--max-queue-delay-us", type=_non_negative,
+    delay.add_argument("--max-queue-delay-us", metavar="US", type=_non_negative,
                        help=f"longest a request waits for a batch to fill, in microseconds. "
                             f"Default: {cpu.max_queue_delay_us} (cpu), {gpu.max_queue_delay_us} (gpu).")
-    delay.add_argument("--max-batch-delay-ms", dest="max_queue_delay_us", type=_delay_ms,
+    delay.add_argument("--max-batch-delay-ms", metavar="MS", dest="max_queue_delay_us", type=_delay_ms,
                        help="the same in milliseconds (TorchServe: max_batch_delay). Default: unset.")
-    p.add_argument("--preferred-batch-size", type=_positive, nargs="+",
+    p.add_argument("--preferred-batch-size", metavar="N", type=_positive, nargs="+",
                    help="batch sizes the batcher prefers to send. Default: none (cpu), the batch buckets (gpu).")
-    p.add_argument("--max-queue-size", type=_non_negative,
+    p.add_argument("--max-queue-size", metavar="N", type=_non_negative,
                    help="requests that may wait for a batch; more are rejected at once (UNAVAILABLE, "
-                        f"'Exceeds maximum queue size'). 0 is unbounded. Default: {cpu.max_queue_size} (cpu), "
-                        f"{gpu.max_queue_size} (gpu).")
-    p.add_argument("--queue-timeout-ms", dest="queue_timeout_us", type=_delay_ms,
+                        "'Exceeds maximum queue size'). 0 is unbounded. Any bound (or timeout) turns Triton 2.51's "
+                        "prefetching off: at low load a request can then wait 500 ms (README). "
+                        f"Default: {cpu.max_queue_size} (cpu), {gpu.max_queue_size} (gpu).")
+    p.add_argument("--queue-timeout-ms", metavar="MS", dest="queue_timeout_us", type=_delay_ms,
                    help="longest a request may wait in the queue before --timeout-action; 0: no timeout. "
                         f"Default: {cpu.queue_timeout_ms:g} (cpu), {gpu.queue_timeout_ms:g} (gpu).")
     p.add_argument("--timeout-action", choices=("reject", "delay"), default="reject",
@@ -115,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
                         "Default: reject.")
     p.add_argument("--allow-timeout-override", action="store_true",
                    help="let requests carry a shorter timeout of their own. Default: off.")
-    p.add_argument("--instances", type=_positive,
+    p.add_argument("--instances", metavar="N", type=_positive,
                    help=f"model instances (stub processes). Default: {cpu.instances} (cpu), {gpu.instances} (gpu).")
     p.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
                    help="instance kind; auto: gpu if torch sees CUDA here, else cpu. Default: auto.")
@@ -139,7 +140,7 @@ def parser() -> argparse.ArgumentParser:
                         "Default: on for gpu.")
     p.add_argument("--cudnn-benchmark", action=argparse.BooleanOptionalAction, default=True,
                    help="let cuDNN time its algorithms per bucket at load time. Default: on.")
-    p.add_argument("--batch-buckets", type=_positive, nargs="+",
+    p.add_argument("--batch-buckets", metavar="N", type=_positive, nargs="+",
                    help="batch sizes a GPU instance pads to and warms up (the max batch size is always one). "
                         "Default: powers of two up to the max batch size.")
     p.add_argument("--image-model", choices=("auto", "ensemble", "fused"), default="auto",
@@ -151,10 +152,10 @@ def parser() -> argparse.ArgumentParser:
                         "GPU instances and hands IMAGE over in GPU memory (EXPERIMENTAL: in our one served H100 run "
                         "its stub died, README, GPU). With fused, cpu decodes with PIL only. Default: gpu for a "
                         "fused model on GPU, else cpu.")
-    p.add_argument("--num-threads", type=_non_negative, default=0,
+    p.add_argument("--num-threads", metavar="N", type=_non_negative, default=0,
                    help="engine threads per CPU instance; 0: the engine's default (openvino: every core, one "
                         "left for Triton from 4 cores on). Default: 0.")
-    p.add_argument("--formats", type=_formats, default=("python",),
+    p.add_argument("--formats", metavar="LIST", type=_formats, default=("python",),
                    help="comma list of python,onnx,torchscript: onnx/torchscript add NAME_onnx and "
                         "NAME_torchscript for the NGC container's native backends. Default: python.")
     p.add_argument("--engine", choices=("auto", *ENGINES), default="auto",

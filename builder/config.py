@@ -41,13 +41,16 @@ class KindDefaults:
 # What `build-repo --kind K` ships when a flag is not given. A GPU wants big batches (ResNet-152 fp16
 # on an H100: 2000 img/s at batch 8, 6200 at 64 with CUDA graphs), a short delay so a batch forms
 # while the other instance computes, and two instances so one copies/prepares while the other runs.
-# The queue bounds keep latency bounded under overload (perf.overload measures it): a request waits
-# at most the timeout, then gets an error it can retry elsewhere, instead of waiting behind thousands.
-# CPU: ResNet-152 on 2 cores serves ~7 img/s, so 10 s still covers perf.bench's 32 clients and
-# TorchServe's default job queue (100) fits; GPU: 64-image batches every ~25 ms, 1 s is ~40 batches.
+# No queue bounds by default (Triton's own default): any `default_queue_policy` turns Triton 2.51's
+# prefetching off (core PR #237, scheduler_utils.cc), and then a request arriving while the instance is
+# returning from its batch waits for the batcher's hard-coded 500 ms (dynamic_batch_scheduler.cc): measured
+# with the earlier default bounds (128, 10 s), resnet18 on 2 cores, 8 runs of 2000 requests at c=1/2, up
+# to ~2 % of requests over 500 ms; none without (perf/results/stalls-resnet18.json). --max-queue-size and
+# --queue-timeout-ms still give Triton's bound, with that tail; a bound without it belongs in front of
+# Triton (a reverse proxy's concurrency limit).
 DEFAULTS = {
-    InstanceKind.CPU: KindDefaults(DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, 1, 128, 10_000),
-    InstanceKind.GPU: KindDefaults(64, 200, 2, 2048, 1_000),
+    InstanceKind.CPU: KindDefaults(DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, 1, 0, 0),
+    InstanceKind.GPU: KindDefaults(64, 200, 2, 0, 0),
 }
 
 

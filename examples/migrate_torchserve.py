@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         with TritonServer.local(repo) as server:
             served = classify.classify_raw([SAMPLE], server.http_url, "http", "effnet-lite0", 5)[0]
+            params = server.model_config("effnet-lite0").get("parameters", {})
+            engine = " ".join(params.get(key, {}).get("string_value", "?") for key in ("engine", "precision"))
     expected = torchserve_top5(efficientnet_module(), names)
     worst = max(abs(p - q) for (_, p), (_, q) in zip(served, expected))
     same_labels = [label for label, _ in served] == [label for label, _ in expected]
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "build-repo --from-mar effnet-lite0.mar --trust-model-code   (EfficientNet-Lite0, ImageNet weights, "
         "archive made by torch-model-archiver 0.12, handler image_classifier, batchSize 8, maxBatchDelay 10)",
         f"python -m clients.classify --raw {SAMPLE.name} --model effnet-lite0   (served: Triton 2.51, "
-        "effnet-lite0_image ensemble)",
+        f"effnet-lite0_image ensemble, engine {engine}: build-repo's defaults)",
         json.dumps(dict(served), indent=2),
         "in-process, TorchServe's image_classifier pipeline (Resize 256, CenterCrop 224, ImageNet "
         "normalization, softmax):",

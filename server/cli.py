@@ -14,35 +14,40 @@ from server.repo import GPU_FLAGS
 from server.triton import ServerError, TritonServer
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="serve-repo", description=__doc__)
-    p.add_argument("--repository", type=Path, default=Path("model_repository"),
+    p.add_argument("--repository", metavar="DIR", type=Path, default=Path("model_repository"),
                    help="model repository to serve. Default: model_repository.")
-    p.add_argument("--http-port", type=int, default=8000, help="Default: 8000.")
-    p.add_argument("--grpc-port", type=int, default=8001, help="Default: 8001.")
-    p.add_argument("--metrics-port", type=int, default=8002, help="Default: 8002.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind. Default: 127.0.0.1.")
+    p.add_argument("--http-port", metavar="N", type=int, default=8000, help="Default: 8000.")
+    p.add_argument("--grpc-port", metavar="N", type=int, default=8001, help="Default: 8001.")
+    p.add_argument("--metrics-port", metavar="N", type=int, default=8002, help="Default: 8002.")
+    p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to bind. Default: 127.0.0.1.")
     p.add_argument("--model-control", choices=("none", "explicit"), default="none",
                    help="explicit: models may be (re)loaded live through the repository API (perf.tune "
                         "uses it). none: the repository API needs a key only serve-repo holds. The server "
                         "always runs in Triton's explicit mode so that it can skip models it has no backend "
                         "for and reload a model whose stub died. Default: none.")
-    p.add_argument("--drain-seconds", type=float, default=5,
+    p.add_argument("--drain-seconds", metavar="S", type=float, default=5,
                    help="on SIGTERM/SIGINT, how long in-flight requests may take to finish before the "
                         "server and its stubs are killed (Triton's --exit-timeout-secs). Default: 5.")
-    p.add_argument("--max-restarts", type=int, default=5,
+    p.add_argument("--max-restarts", metavar="N", type=int, default=5,
                    help="restarts in a row (each lived < 60 s) before giving up when tritonserver keeps "
                         "dying; 0: never restart. Default: 5.")
-    p.add_argument("--max-unfreed-instances", type=int, default=4,
+    p.add_argument("--max-unfreed-instances", metavar="N", type=int, default=4,
                    help="a stub that dies with a batch in flight leaves an instance Triton 2.51 never frees "
                         "(its threads and ~5-10 MB of /dev/shm); past this many, tritonserver is restarted "
                         "(drained) to free them; 0: never. Default: 4.")
-    p.add_argument("--log-file", type=Path, help="tritonserver's log. Default: a temporary file.")
-    p.add_argument("--timeout", type=float, default=600, help="seconds to wait until ready. Default: 600.")
+    p.add_argument("--log-file", metavar="FILE", type=Path, help="tritonserver's log. Default: a temporary file.")
+    p.add_argument("--timeout", metavar="S", type=float, default=600, help="seconds to wait until ready. Default: 600.")
     p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
                    help="flags passed to tritonserver unchanged, after `--` (e.g. -- --log-verbose=1 "
                         "--cuda-memory-pool-byte-size=0:1073741824). Default: none; a repository with GPU "
                         "models gets " + " ".join(GPU_FLAGS) + " unless the same flags are passed.")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if min(args.drain_seconds, args.max_restarts, args.max_unfreed_instances) < 0:
         p.error("--drain-seconds, --max-restarts and --max-unfreed-instances must be >= 0")

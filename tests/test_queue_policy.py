@@ -39,10 +39,16 @@ def test_bounded_queue_rejects_overflow_and_answers_the_rest_when_requests_burst
     assert all("queue size" in message.lower() for message in rejected), rejected[:2]
 
 
-def test_default_build_bounds_the_queue_and_its_wait(repository):
+def test_default_build_sets_no_queue_policy_so_the_batcher_keeps_prefetching(repository):
+    """A queue policy turns Triton 2.51's prefetching off, and with it comes the 500 ms wait at low load."""
     for model in (SMALL, f"{SMALL}_preprocess"):
-        policy = read_config(repository / model).dynamic_batching.default_queue_policy
-        assert (policy.max_queue_size, policy.default_timeout_microseconds) == (128, 10_000_000), model
+        assert not read_config(repository / model).dynamic_batching.HasField("default_queue_policy"), model
+
+
+def test_queue_bounds_are_written_when_asked_for(tmp_path):
+    build(tmp_path / "repo", "--max-queue-size", "128", "--queue-timeout-ms", "10000")
+    policy = read_config(tmp_path / "repo" / SMALL).dynamic_batching.default_queue_policy
+    assert (policy.max_queue_size, policy.default_timeout_microseconds) == (128, 10_000_000)
 
 
 def test_unbounded_queue_when_asked_for_with_zeros(tmp_path):
