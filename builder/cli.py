@@ -202,7 +202,7 @@ def _main(args, workdir: Path) -> int:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 1
     try:
-        check_free(args.output, plan.name, plan.options.formats, args.force)  # before the slow part
+        check_free(args.output, plan.name, plan.options.formats, args.force, plan.options.image_model)  # early
         check_writable(args.output)
         classifier = sources.load(plan, archive)
         print(f"serving {plan.name}: {sources.describe(classifier)}; preprocessing {classifier.preprocessing}")

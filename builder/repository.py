@@ -60,15 +60,24 @@ class Options:
     image_model: str = "ensemble"  # fused: NAME_image decodes, preprocesses and classifies in one stub
 
 
-def model_names(name: str, formats: tuple[str, ...]) -> list[str]:
-    names = [name, f"{name}_preprocess", f"{name}_image"]
+def model_names(name: str, formats: tuple[str, ...], image_model: str = "ensemble") -> list[str]:
+    """The models a build writes: only what serves (the fused image model needs no NAME_preprocess, whose
+    stub would import torch and hold memory with nothing routed to it)."""
+    names = [name, f"{name}_image"] + ([f"{name}_preprocess"] if image_model == "ensemble" else [])
     return names + [f"{name}_{fmt}" for fmt in ("onnx", "torchscript") if fmt in formats]
 
 
-def check_free(output: Path, name: str, formats: tuple[str, ...], force: bool) -> list[str]:
-    """The model directories a build writes; refuse if one exists and `force` is off."""
-    names = model_names(name, formats)
-    existing = [output / n for n in names if (output / n).exists()]
+def retired_names(name: str, formats: tuple[str, ...], image_model: str) -> list[str]:
+    """Models of this name that an earlier build may have written and this one does not (--force)."""
+    every = model_names(name, ("onnx", "torchscript"), "ensemble")
+    return [n for n in every if n not in model_names(name, formats, image_model)]
+
+
+def check_free(output: Path, name: str, formats: tuple[str, ...], force: bool,
+               image_model: str = "ensemble") -> list[str]:
+    """The model directories a build writes; refuse if one exists (or one it would retire) and `force` is off."""
+    names = model_names(name, formats, image_model)
+    existing = [output / n for n in names + retired_names(name, formats, image_model) if (output / n).exists()]
     if existing and not force:
         raise BuildError(f"{existing[0]} already exists; pass --force to replace it")
     return names
@@ -120,7 +129,7 @@ def signals_deferred():
 def build(classifier: Classifier, output: Path, options: Options, force: bool = False,
           report=print) -> list[Path]:
     """Write every model directory into a staging folder, verify, then move them into place."""
-    names = check_free(output, classifier.name, options.formats, force)
+    names = check_free(output, classifier.name, options.formats, force, options.image_model)
     check_writable(output)
     remove_stale_staging(output)
     # The staging folder sits beside the repository (same filesystem: rename is atomic) but not
@@ -146,7 +155,12 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
             # a modified version, and a later load of a modified version (serve-repo replacing a dead stub) is
             # a whole new copy of the model instead of an update of just the dead instance's group.
             compileall.compile_dir(staging / name, quiet=1)
-        return [_swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
+        written = [_swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
+        for name in retired_names(classifier.name, options.formats, options.image_model):
+            # Written by an earlier build, served by nothing now: a server loading it would start its stub.
+            if (output / name).exists():
+                (output / name).rename(staging / f"{name}.old")  # removed with the staging folder
+        return written
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

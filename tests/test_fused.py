@@ -8,6 +8,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from builder import cli as build_repo
 from common.modelconfig import parameters, read_config
 from images import CAT, bad_images, good_images
 from perf.stats import counters
@@ -81,7 +82,18 @@ def test_build_repo_writes_a_fused_gpu_image_model_and_a_cpu_ensemble_by_default
     assert config.instance_group[0].kind == config.instance_group[0].KIND_GPU
     assert parameters(config)["decode_device"] == "gpu"
     assert (tmp_path / "gpu" / IMAGE_MODEL / "1" / "weights.pt").stat().st_nlink == 2  # linked, not copied
-    pre = read_config(tmp_path / "gpu" / f"{SMALL}_preprocess")
-    assert pre.instance_group[0].kind == pre.instance_group[0].KIND_CPU
+    assert not (tmp_path / "gpu" / f"{SMALL}_preprocess").exists()  # only what serves: nothing routes to it
     build(tmp_path / "cpu", "--formats", "python")
     assert read_config(tmp_path / "cpu" / IMAGE_MODEL).platform == "ensemble"
+    assert (tmp_path / "cpu" / f"{SMALL}_preprocess" / "config.pbtxt").is_file()
+
+
+def test_build_repo_retires_the_preprocess_model_when_rebuilt_fused_with_force(tmp_path):
+    repo = tmp_path / "repo"
+    build(repo, "--formats", "python,onnx")
+    assert (repo / f"{SMALL}_preprocess").is_dir() and (repo / f"{SMALL}_onnx").is_dir()
+    assert build_repo.main(["--model", SMALL, "--weights", "random", "--output", str(repo), "--kind", "cpu",
+                            "--image-model", "fused"]) == 1  # the earlier build's models need --force
+    build(repo, "--image-model", "fused", "--force")
+    assert sorted(p.name for p in repo.iterdir()) == [SMALL, IMAGE_MODEL]  # nothing stale left to load
+    assert not [p for p in repo.parent.iterdir() if p.name.startswith(".")]  # no staging or retired folder

@@ -51,9 +51,9 @@ def test_build_repo_writes_gpu_defaults_when_kind_is_gpu(tmp_path):
     assert params["engine"] == "torch" and params["cuda_graphs"] == "1" and params["precision"] == "fp32"
     assert params["batch_buckets"] == "1,2,4,8,16,32,64"
     assert (tmp_path / SMALL / "1" / "batch_runner.py").is_file()
-    pre = read_config(tmp_path / f"{SMALL}_preprocess")
-    assert pre.instance_group[0].kind == mc.ModelInstanceGroup.KIND_CPU  # nvJPEG decoding is opt-in
-    assert pre.parameters["decode_device"].string_value == "cpu"
+    # The GPU default image model is fused (nvJPEG in the classifier's stub): no preprocess model to serve.
+    assert not (tmp_path / f"{SMALL}_preprocess").exists()
+    assert read_config(tmp_path / f"{SMALL}_image").parameters["decode_device"].string_value == "gpu"
     assert uses_gpu(tmp_path)
 
 
