@@ -71,9 +71,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", metavar="NAME", help="served model name (NAME, NAME_preprocess, NAME_image). Default: the model, "
                                   "the archive's model name, or the model file's name.")
     p.add_argument("--weights", metavar="|".join(WEIGHT_CHOICES) + "|PATH",
-                   help="auto: pretrained DEFAULT if downloadable or cached, else random with a warning; "
-                        "random: torch.manual_seed(SEED) then no weights; PATH: a state_dict file (loaded with "
-                        "weights_only=True). Default: auto (--model); required PATH with --model-file.")
+                   help="auto: the pretrained DEFAULT weights, from torch.hub's cache or downloaded; where they "
+                        "cannot be had the build fails (random weights are never chosen for you); random: "
+                        "torch.manual_seed(SEED) then no weights (meaningless predictions, for tests and benchmarks); "
+                        "PATH: a state_dict file (loaded with weights_only=True). Default: auto (--model); required "
+                        "PATH with --model-file.")
     p.add_argument("--labels", type=Path, metavar="FILE",
                    help="class names: index_to_name.json (TorchServe's shapes) or one name per line. Default: "
                         "torchvision's (--model), the archive's index_to_name.json, else class indices.")

@@ -1,7 +1,6 @@
 """Resolve `--model` / `--weights` into a torchvision classifier, its labels and its preprocessing."""
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,7 +92,9 @@ def _download(weights: Weights) -> dict:
 
 
 def load_classifier(name: str, weights: str = "auto", seed: int = 0) -> Classifier:
-    """Build `name` with the requested weights; `auto` falls back to seeded random weights, loudly."""
+    """Build `name` with the requested weights. Random weights only when asked for (`random`): `auto` that
+    cannot get the pretrained ones (offline, no cache) fails, naming the fix, so that a build without network
+    never ships a meaningless model."""
     enum = _weights_enum(name)
     default = enum.DEFAULT
     if weights == "random":
@@ -102,12 +103,10 @@ def load_classifier(name: str, weights: str = "auto", seed: int = 0) -> Classifi
         try:
             state = _download(default)
         except Exception as exc:  # no network, proxy, corrupt cache: all mean "not available here"
-            print(
-                f"WARNING: pretrained weights {default} are not available ({type(exc).__name__}: {exc}).\n"
-                f"WARNING: using RANDOM weights (seed {seed}) instead: predictions are MEANINGLESS.",
-                file=sys.stderr,
-            )
-            return _random(name, seed, default)
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            raise WeightsError(f"pretrained weights {default} cannot be had here ({reason}); pass --weights PATH "
+                               "(a state_dict file), or --weights random for seeded random weights "
+                               "(their predictions are meaningless)") from None
         return _with_state(name, state, str(default), default, pretrained=True)
     if weights in WEIGHT_CHOICES:
         try:

@@ -22,9 +22,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("images", nargs="*", type=Path, default=[SAMPLE], help=f"Default: {SAMPLE.name}.")
     args = p.parse_args(argv)
     if args.rebuild or not (args.repository / args.model / "config.pbtxt").is_file():
-        status = build_repo.main(["--model", args.model, "--output", str(args.repository), "--force"])
-        if status:
-            return status
+        build = ["--model", args.model, "--output", str(args.repository), "--force"]
+        if build_repo.main([*build, "--weights", "auto"]):
+            # Asked for here, never chosen by build-repo: the demo shows the path, not the labels.
+            print(f"demo: no pretrained {args.model} weights here (no network, no cache): serving seeded random "
+                  "weights instead (--weights random): the labels below are MEANINGLESS", file=sys.stderr)
+            status = build_repo.main([*build, "--weights", "random"])
+            if status:
+                return status
     else:
         print(f"using the existing {args.repository / args.model} (--rebuild to rebuild)")
     ports = [free_port() for _ in range(3)]

@@ -65,3 +65,19 @@ def test_interrupted_build_leaves_no_staging_and_the_previous_repository_when_si
     assert "interrupted; nothing was written" in err
     assert not list(tmp_path.glob(".repo-build-*"))
     assert weights.stat().st_mtime_ns == before and not (repo / f"{SMALL}_onnx").exists()
+
+
+def test_build_fails_naming_the_fix_when_pretrained_weights_cannot_be_had(tmp_path, capsys, monkeypatch):
+    """Offline, --weights auto must not ship a meaningless model: it fails unless random weights are asked for."""
+    from builder import weights
+
+    def offline(_):
+        raise OSError("no network")
+    monkeypatch.setattr(weights, "_download", offline)
+    repo = tmp_path / "repo"
+    status = build_repo.main(["--model", "resnet18", "--weights", "auto", "--output", str(repo), "--kind", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert status == 1 and len(err.splitlines()) == 1, err
+    assert "cannot be had here" in err and "--weights random" in err, err
+    assert not (repo / "resnet18").exists()
+    assert build_repo.main(["--model", "resnet18", "--weights", "random", "--output", str(repo), "--kind", "cpu"]) == 0
