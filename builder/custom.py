@@ -37,6 +37,39 @@ def match_torchvision(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
     return None
 
 
+def added_behaviour(model_file: Path) -> str | None:
+    """Why torchvision's code would not answer as the archive's classes do, read without running them; None
+    where every class only configures its base (TorchServe's resnet-152-batch_v2: `class ImageClassifier(ResNet)`
+    whose `__init__` is one `super().__init__(Bottleneck, [3, 8, 36, 3])` call). Any other method (`forward`
+    above all), class attribute or statement makes the weights' shapes say nothing about the answers."""
+    try:
+        tree = ast.parse(model_file.read_text(), filename=str(model_file))
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"cannot be read ({type(exc).__name__}: {exc})"
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.Expr) and isinstance(item.value, ast.Constant):
+                continue  # a docstring
+            if isinstance(item, ast.FunctionDef) and item.name == "__init__" and _only_super_init(item):
+                continue
+            what = f"method {item.name}()" if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+                f"line {item.lineno}"
+            return f"class {node.name} defines its own {what}"
+    return None
+
+
+def _only_super_init(init: ast.FunctionDef) -> bool:
+    """True for an __init__ whose body is one call of the base class's __init__ (its docstring aside)."""
+    body = [s for s in init.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Expr) or not isinstance(body[0].value, ast.Call):
+        return False
+    func = body[0].value.func
+    return isinstance(func, ast.Attribute) and func.attr == "__init__" and isinstance(func.value, ast.Call) \
+        and isinstance(func.value.func, ast.Name) and func.value.func.id == "super"
+
+
 def _empty_shapes(name: str, num_classes: int) -> dict[str, tuple[int, ...]] | None:
     """Parameter and buffer shapes of `name`, built without memory (meta device, or without init)."""
     with warnings.catch_warnings():

@@ -37,7 +37,8 @@ def _from_archive(plan: Plan, archive: mar.Archive, labels) -> Classifier:
     label = f"{archive.path.name}:{archive.serialized_file.name}"
     source = f"TorchServe archive {archive.path.name} (handler {archive.handler})"
     match = None if plan.model_class else custom.match_torchvision(state)
-    if match is not None:
+    behaviour = custom.added_behaviour(archive.model_file) if match and archive.model_file else None
+    if match is not None and behaviour is None:
         architecture, classes = match
         return custom.torchvision_classifier(architecture, classes, state, plan.name, label, plan.preprocessing,
                                              custom.fit_labels(labels, classes, label), source)
@@ -45,9 +46,11 @@ def _from_archive(plan: Plan, archive: mar.Archive, labels) -> Classifier:
         raise mar.ArchiveError(f"the weights in {archive.path.name} fit no torchvision classification model and "
                                "the archive has no model file to build them with")
     if not plan.trust_model_code:
-        raise mar.ArchiveError(f"the weights in {archive.path.name} fit no torchvision classification model, so "
-                               f"serving them means running the archive's {archive.model_file.name}; pass "
-                               "--trust-model-code if you trust its code (nothing from it was run)")
+        why = (f"fit torchvision's {match[0]}, but in {archive.model_file.name} {behaviour}, so torchvision's code "
+               "would answer differently" if match else "fit no torchvision classification model")
+        raise mar.ArchiveError(f"the weights in {archive.path.name} {why}; serving them means running the archive's "
+                               f"{archive.model_file.name}: pass --trust-model-code if you trust its code (nothing "
+                               "from it was run)")
     code = ModelCode(archive.model_file, plan.model_class or "", tuple(archive.extra_files))
     return custom.code_classifier(code, state, plan.name, label, plan.preprocessing, labels, source)
 

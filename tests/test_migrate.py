@@ -17,7 +17,7 @@ import torchvision
 
 from builder import cli as build_repo
 from common.modelconfig import read_config
-from builder.custom import load_labels, match_torchvision
+from builder.custom import added_behaviour, load_labels, match_torchvision
 from clients import classify
 from examples.migrate_torchserve import (EFFICIENTNET_MODEL, efficientnet_module, efficientnet_state, make_archive,
                                      torchserve_labels, torchserve_top5)
@@ -157,6 +157,38 @@ def test_seed_style_archive_is_served_with_torchvision_code_when_weights_fit(mad
 def test_seed_style_archive_answers_as_in_process_when_served(made, served, raw, capsys):
     expected = torchserve_top5(made["resnet"], [name.replace(" ", "_") for name in IMAGENET])
     _assert_same(_classify(served.http_url, "resnet-18", raw, capsys), expected)
+
+
+FORWARD_MODEL = SEED_STYLE_MODEL + """
+    def forward(self, x):
+        return super().forward(x) * 2
+"""
+
+
+def test_added_behaviour_is_none_only_when_the_class_just_configures_its_base(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(SEED_STYLE_MODEL.format(marker="/dev/null"))
+    assert added_behaviour(path) is None
+    path.write_text(FORWARD_MODEL.format(marker="/dev/null"))
+    assert added_behaviour(path) == "class ImageClassifier defines its own method forward()"
+    path.write_text(SEED_STYLE_MODEL.format(marker="/dev/null").replace(
+        "[2, 2, 2, 2])", "[2, 2, 2, 2])\n        self.fc.weight.data.mul_(0)"))
+    assert added_behaviour(path) == "class ImageClassifier defines its own method __init__()"
+
+
+def test_archive_whose_class_overrides_forward_is_served_with_its_own_code_only_when_trusted(made, tmp_path, capsys):
+    """Weights that fit resnet18 are no proof: a class with its own forward() answers differently."""
+    marker = tmp_path / "ran"
+    archive = make_archive(tmp_path, "doubled", FORWARD_MODEL.format(marker=str(marker)), made["resnet"].state_dict(),
+                           torchserve_labels(IMAGENET))
+    repo = tmp_path / "repo"
+    assert build_repo.main(["--from-mar", str(archive), "--output", str(repo), "--kind", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "fit torchvision's resnet18, but" in err and "forward()" in err and "--trust-model-code" in err, err
+    assert not marker.exists() and not (repo / "doubled").exists()
+    _build("--from-mar", str(archive), "--trust-model-code", "--output", str(repo))
+    params = {key: value.string_value for key, value in read_config(repo / "doubled").parameters.items()}
+    assert params["model_class"] == "ImageClassifier" and "torchvision_model" not in params
 
 
 # --- an archive whose weights fit no torchvision model: its code runs only when trusted -------------------
