@@ -16,11 +16,11 @@ except ImportError:  # imported outside Triton, e.g. by perf.bench to run the ve
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from batch_runner import PRECISIONS, BatchRunner
     from contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
-    from engines import cpu_bf16, load_engine
+    from engines import cpu_bf16, cpu_threads, load_engine
     from triton_io import error_response, honor_faulthandler, instance_device, model_parameters
 except ImportError:
     from backends.batch_runner import PRECISIONS, BatchRunner
-    from backends.engines import cpu_bf16, load_engine
+    from backends.engines import cpu_bf16, cpu_threads, load_engine
     from backends.triton_io import error_response, honor_faulthandler, instance_device, model_parameters
     from common.contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
 
@@ -41,27 +41,27 @@ class TritonPythonModel:
         self.batched = max_batch > 0
         self.engine_name = params.get("engine", "torch")
         threads = int(params.get("num_threads", "0") or 0)
-        if threads == 0 and self.device.type == "cuda":
+        if self.device.type == "cuda":
             # The CPU only copies rows here; torch's default (one OpenMP thread per core in every stub)
-            # competes with Triton's and the clients' threads. With this, numpy outputs and pageable
-            # D2H, a served request on the H100 went from ~9 ms of overhead to ~1.5 ms (which of the
-            # three mattered was not isolated).
-            threads = 1
+            # competes with Triton's and the clients' threads.
+            threads = threads or 1
+        else:
+            threads = cpu_threads(threads, cpu_instances(config))
         # OpenVINO runs its own threads; torch here only gathers the requests' rows.
-        torch_threads = 1 if self.engine_name == "openvino" and threads == 0 else threads
-        if torch_threads > 0:
-            torch.set_num_threads(torch_threads)
+        torch.set_num_threads(1 if self.engine_name == "openvino" else threads)
         self.runner = build_runner(Path(args["model_repository"]) / args["model_version"], params,
                                    self.device, max(max_batch, 1), self.sample_shape, threads)
         self.runner.warm_up()  # every bucket, before Triton reports the model READY
         # What runs here, which may differ from where the repository was built (precision auto).
         self.precision = getattr(self.runner.engine, "precision", params.get("precision", "fp32"))
-        self._info_family, self._info = engine_info(args["model_name"], self.engine_name, self.precision)
+        self.threads = getattr(self.runner.engine, "threads", threads)
+        self._info_family, self._info = engine_info(args["model_name"], self.engine_name, self.precision,
+                                                    self.threads)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {params.get('torchvision_model') or params.get('model_class')} ({self.engine_name}, "
             f"precision {self.precision} (asked: {params.get('precision', 'fp32')})) on {self.device}, "
             f"buckets {self.runner.buckets or '-'}, cuda_graphs={self.runner.cuda_graphs}, "
-            f"{getattr(self.runner.engine, 'threads', torch.get_num_threads())} threads, batched={self.batched}"
+            f"{self.threads} threads, batched={self.batched}"
         )
 
     def execute(self, requests):
@@ -152,12 +152,19 @@ def build_runner(version_dir: Path, params: dict, device: torch.device, max_batc
                        buckets, channels_last, graph_ok=graph_engine, mean_std=mean_std(params))
 
 
-def engine_info(model: str, engine: str, precision: str):
-    """classifier_engine_info{model, engine, precision} = 1 on Triton's metrics endpoint: what a client can
-    read of the precision resolved here (python_backend cannot change a config's parameters at load)."""
+def cpu_instances(config: dict) -> int:
+    """How many CPU instances the config runs of this model (build-repo writes N groups of one)."""
+    return sum(int(group.get("count", 1)) for group in config.get("instance_group", [])
+               if group.get("kind", "KIND_CPU") in ("KIND_CPU", "KIND_AUTO")) or 1
+
+
+def engine_info(model: str, engine: str, precision: str, threads: int):
+    """classifier_engine_info{model, engine, precision, threads} = 1 on Triton's metrics endpoint: what a client
+    can read of what was resolved here (python_backend cannot change a config's parameters at load)."""
     family = pb_utils.MetricFamily(name="classifier_engine_info", kind=pb_utils.MetricFamily.GAUGE,
                                    description="The engine and precision a classifier's instance runs (value 1)")
-    metric = family.Metric(labels={"model": model, "engine": engine, "precision": precision})
+    metric = family.Metric(labels={"model": model, "engine": engine, "precision": precision,
+                                   "threads": str(threads)})
     metric.set(1)
     return family, metric
 

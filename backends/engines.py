@@ -134,6 +134,13 @@ class OpenVino:
         return torch.from_numpy(result[self.output].copy())
 
 
+def cpu_threads(requested: int, instances: int) -> int:
+    """Engine threads for one of a model's `instances` CPU instances: the config's `num_threads` where set,
+    else the cores shared among them, so that instances x threads never exceed the cores (a .mar with
+    minWorkers 4 on 2 cores had run 4 instances of 2 threads each, every forward fighting for the cores)."""
+    return requested if requested > 0 else max(1, default_threads() // max(1, instances))
+
+
 def default_threads() -> int:
     """Every core on a small machine; one left for Triton's own threads and the stub's I/O from 4 cores on."""
     cores = len(os.sched_getaffinity(0))

@@ -14,6 +14,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   flags=(--cuda-memory-pool-byte-size=0:536870912
          --backend-config=python,shm-default-byte-size=67108864
          --backend-config=python,shm-growth-byte-size=67108864)
+  # The pool is per GPU: every GPU the container sees gets one, not only GPU 0.
+  for ((i = 1; i < $(nvidia-smi -L | wc -l); i++)); do flags+=(--cuda-memory-pool-byte-size=$i:536870912); done
 fi
 # --shm-size: the python backend's stubs exchange tensors through /dev/shm (Docker's default is 64 MB).
 # ${a[@]+"${a[@]}"}: an empty array under `set -u` on bash < 4.4 (macOS) would be an error.

@@ -1,6 +1,7 @@
 """What a model repository asks of the bundled server: which models it can load, whether it needs a GPU."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from common.modelconfig import read_config
@@ -11,7 +12,8 @@ from common.modelconfig import read_config
 #   the python backend falls back to slower CUDA IPC allocations per tensor;
 # - the python backend's shared memory starts at 1 MB per stub and grows 1 MB at a time; a batch of 64
 #   images moves ~38 MB through it, so start big enough and grow in large steps.
-GPU_FLAGS = ("--cuda-memory-pool-byte-size=0:536870912",
+POOL_BYTES = 536870912
+GPU_FLAGS = (f"--cuda-memory-pool-byte-size=0:{POOL_BYTES}",
              "--backend-config=python,shm-default-byte-size=67108864",
              "--backend-config=python,shm-growth-byte-size=67108864")
 
@@ -34,6 +36,30 @@ def servable_models(repository: Path) -> tuple[list[str], dict[str, str]]:
     return loadable, skipped
 
 
+def compile_bytecode(repository: Path) -> list[Path]:
+    """Bytecode of every python model, for this interpreter (the stub's: server/wheel.py picks the stub of
+    the same Python), written before Triton loads them. A stub that writes __pycache__ at its first load makes
+    Triton count the version as modified, and every later load of it (serve-repo replacing a dead stub) a whole
+    new copy of the model instead of an update of one instance; build-repo compiles with its own Python, which
+    may not be this one. Returns the version folders where something was written; a read-only repository is
+    left as it is."""
+    import compileall
+    import sys
+
+    written = []
+    for model in sorted(Path(repository).glob("*/*/model.py")):
+        folder = model.parent
+        cached = folder / "__pycache__" / f"model.{sys.implementation.cache_tag}.pyc"
+        if cached.is_file() and cached.stat().st_mtime >= model.stat().st_mtime:
+            continue
+        try:
+            if compileall.compile_dir(folder, quiet=2, maxlevels=0) and cached.is_file():
+                written.append(folder)
+        except OSError:
+            continue
+    return written
+
+
 def uses_gpu(repository: Path) -> bool:
     for config_path in Path(repository).glob("*/config.pbtxt"):
         try:  # a config Triton cannot parse is reported by Triton itself
@@ -54,9 +80,24 @@ def flag_names(args: list[str]) -> set[str]:
     return names
 
 
-def gpu_flags(repository: Path, passed: list[str]) -> list[str]:
-    """GPU_FLAGS for a repository with GPU models, less those the user passed through."""
+def gpu_count() -> int:
+    """GPUs the NVIDIA driver shows (its /proc folder, else nvidia-smi), at least 1: no torch import here."""
+    try:
+        return max(1, len(list(Path("/proc/driver/nvidia/gpus").iterdir())))
+    except OSError:
+        pass
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+        return max(1, sum(line.startswith("GPU ") for line in listed.splitlines()))
+    except (OSError, subprocess.SubprocessError):
+        return 1
+
+
+def gpu_flags(repository: Path, passed: list[str], gpus: int | None = None) -> list[str]:
+    """GPU_FLAGS for a repository with GPU models, the memory pool for every GPU (Triton's flag is per device:
+    GPU 0's alone left the others at the default 64 MB), less the flags the user passed through."""
     if not uses_gpu(repository):
         return []
     ours = flag_names(passed)
-    return [flag for flag in GPU_FLAGS if flag.split("=")[0] not in ours]
+    pools = [f"--cuda-memory-pool-byte-size={i}:{POOL_BYTES}" for i in range(1, gpus or gpu_count())]
+    return [flag for flag in (*GPU_FLAGS, *pools) if flag.split("=")[0] not in ours]

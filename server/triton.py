@@ -20,7 +20,7 @@ from common.procs import free_port, port_free
 from server.errors import ServerError
 from server.log import TritonLog
 from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, die_with_parent, remove_stale, stubs_of
-from server.repo import flag_names, gpu_flags, servable_models
+from server.repo import compile_bytecode, flag_names, gpu_flags, servable_models
 from server.wheel import make_backend_dir, pytriton_root
 
 __all__ = ["ServerError", "TritonServer"]
@@ -123,6 +123,7 @@ class TritonServer:
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         self.log.clear()
         self.returncode = None
+        compile_bytecode(self.repository)  # for the stub's interpreter, before Triton sees the files
         parent = os.getpid()
         self._process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True,

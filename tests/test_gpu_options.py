@@ -98,3 +98,13 @@ def test_serve_repo_adds_gpu_flags_unless_passed_through_when_repository_has_gpu
     command = server.command()
     assert command[-2:] == [mine, "--log-verbose=1"]
     assert GPU_FLAGS[0] not in command and all(flag in command for flag in GPU_FLAGS[1:])
+
+
+def test_serve_repo_gives_every_gpu_a_memory_pool_when_there_are_several(tmp_path):
+    from server.repo import gpu_flags
+
+    build(tmp_path / "repo", "--kind", "gpu", "--formats", "python")
+    pools = [flag for flag in gpu_flags(tmp_path / "repo", [], gpus=3) if flag.startswith("--cuda-memory-pool")]
+    assert pools == [f"--cuda-memory-pool-byte-size={i}:536870912" for i in range(3)]
+    assert not [f for f in gpu_flags(tmp_path / "repo", ["--cuda-memory-pool-byte-size=1:1"], gpus=3)
+                if f.startswith("--cuda-memory-pool")]  # the user's own pool flags replace ours

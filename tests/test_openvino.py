@@ -45,7 +45,9 @@ def test_openvino_precision_auto_resolves_where_served_and_is_reported_when_load
         ("openvino", "auto")
     server = start_server(auto_repo)
     expected = "bf16" if _cpu_has_bf16() else "fp32"
-    assert _metric_labels(server) == {"model": SMALL, "engine": "openvino", "precision": expected}
+    labels = _metric_labels(server)
+    assert {k: v for k, v in labels.items() if k != "threads"} == \
+        {"model": SMALL, "engine": "openvino", "precision": expected}, labels
     images = np.random.default_rng(5).standard_normal((3, 3, 224, 224)).astype(np.float32)
     tensor = httpclient.InferInput("IMAGE", list(images.shape), "FP32")
     tensor.set_data_from_numpy(images)
@@ -103,3 +105,26 @@ def test_openvino_runs_or_refuses_a_precision_by_what_the_cpu_has_when_loaded(re
 def test_openvino_refuses_a_precision_it_does_not_run_when_asked():
     with pytest.raises(ValueError, match="not one OpenVINO runs here"):
         OpenVino(Path("unused.onnx"), precision="fp16")
+
+
+def test_cpu_threads_share_the_cores_among_instances_when_not_given(monkeypatch):
+    from backends import engines
+
+    monkeypatch.setattr(engines, "default_threads", lambda: 2)
+    assert [engines.cpu_threads(0, n) for n in (1, 2, 4)] == [2, 1, 1]
+    assert engines.cpu_threads(3, 4) == 3  # asked for: honoured
+    from backends.classifier import cpu_instances
+
+    groups = {"instance_group": [{"kind": "KIND_CPU", "count": 1}] * 4}
+    assert cpu_instances(groups) == 4 and cpu_instances({}) == 1
+
+
+def test_served_instances_times_threads_stay_within_the_cores_when_an_archive_asks_for_many(tmp_path,
+                                                                                              start_server):
+    """4 instances on this machine (a .mar's minWorkers: 4): each runs cores // 4 threads, at least one."""
+    from backends.engines import default_threads
+
+    build(tmp_path / "repo", "--instances", "4", "--max-batch-size", "8")
+    server = start_server(tmp_path / "repo")
+    labels = _metric_labels(server)
+    assert labels["threads"] == str(max(1, default_threads() // 4)), labels

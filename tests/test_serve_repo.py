@@ -102,3 +102,23 @@ def test_tritonserver_gets_the_drain_as_its_exit_timeout_and_a_shm_prefix_of_our
     mine = TritonServer(tmp_path / "repo", 1, 2, 3, extra_args=["--exit-timeout-secs=1"])
     mine._workdir = tmp_path / "work2"
     assert [a for a in mine.command() if a.startswith("--exit-timeout-secs")] == ["--exit-timeout-secs=1"]
+
+
+def test_serve_repo_writes_bytecode_for_its_interpreter_when_the_repository_lacks_it(tmp_path, start_server):
+    """A repository built by another Python (or copied without __pycache__) gets this interpreter's bytecode
+    before Triton loads it, so that no stub writes it later (a 'modified' version: whole-model reloads)."""
+    import shutil
+    import sys
+
+    from server.repo import compile_bytecode
+    from support import SMALL, build
+
+    build(tmp_path / "repo", "--max-batch-size", "8")
+    for cache in (tmp_path / "repo").glob("*/1/__pycache__"):
+        shutil.rmtree(cache)
+    server = start_server(tmp_path / "repo")
+    for model in (SMALL, f"{SMALL}_preprocess"):
+        pyc = tmp_path / "repo" / model / "1" / "__pycache__" / f"model.{sys.implementation.cache_tag}.pyc"
+        assert pyc.is_file(), model
+    assert server.model_ready(SMALL)
+    assert compile_bytecode(tmp_path / "repo") == []  # nothing left to write
