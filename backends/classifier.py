@@ -17,11 +17,13 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from batch_runner import PRECISIONS, BatchRunner
     from contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
     from engines import cpu_bf16, cpu_threads, load_engine
-    from triton_io import error_response, honor_faulthandler, instance_device, model_parameters
+    from triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
+                           instance_device, model_parameters)
 except ImportError:
     from backends.batch_runner import PRECISIONS, BatchRunner
     from backends.engines import cpu_bf16, cpu_threads, load_engine
-    from backends.triton_io import error_response, honor_faulthandler, instance_device, model_parameters
+    from backends.triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
+                                    instance_device, model_parameters)
     from common.contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
 
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "UINT8": torch.uint8}  # Triton's names -> torch
@@ -111,9 +113,11 @@ class TritonPythonModel:
         try:
             logits = self.runner.run(images)
         except Exception as exc:
-            device_fault = _is_device_fault(exc)
-            if len(images) == 1 or device_fault:  # a CUDA fault poisons the whole batch (and the context)
-                message = f"inference failed: {type(exc).__name__}: {_first_line(exc)}"
+            faulted = device_fault(exc)
+            if len(images) == 1 or faulted:  # a CUDA fault poisons the whole batch (and the context)
+                message = f"inference failed: {type(exc).__name__}: {first_line(exc)}"
+                if faulted:
+                    exit_soon(message)
                 return [error_response(message, invalid=False) for _ in images]
             # Only a request that fails on its own should get an error: retry one by one.
             return [response for image in images for response in self._infer([image])]
@@ -167,16 +171,6 @@ def engine_info(model: str, engine: str, precision: str, threads: int):
                                    "threads": str(threads)})
     metric.set(1)
     return family, metric
-
-
-def _is_device_fault(exc: Exception) -> bool:
-    accelerator_error = getattr(torch, "AcceleratorError", ())
-    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc) or "cuDNN error" in str(exc)
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _response(logits: torch.Tensor):

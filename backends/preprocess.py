@@ -21,12 +21,12 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from contract import IMAGE_BYTES
     from decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
     from transforms import pixels_from_parameters, transform_from_parameters
-    from triton_io import (encoded_elements, error_response, honor_faulthandler, instance_device,
-                           model_parameters)
+    from triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
+                           honor_faulthandler, instance_device, model_parameters)
 except ImportError:
     from backends.decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
-    from backends.triton_io import (encoded_elements, error_response, honor_faulthandler, instance_device,
-                                    model_parameters)
+    from backends.triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
+                                    honor_faulthandler, instance_device, model_parameters)
     from common.contract import IMAGE_BYTES
     from common.transforms import pixels_from_parameters, transform_from_parameters
 
@@ -87,7 +87,10 @@ def preprocessed(preprocess: "Preprocessor", requests) -> tuple[list, list]:
     try:
         images = preprocess(elements)
     except Exception as exc:  # a device fault: every request of this batch, none silently
-        failed = error_response(f"preprocessing failed: {type(exc).__name__}: {exc}", invalid=False)
+        message = f"preprocessing failed: {type(exc).__name__}: {first_line(exc)}"
+        if device_fault(exc):
+            exit_soon(message)
+        failed = error_response(message, invalid=False)
         return [r or failed for r in responses], [None] * len(requests)
     per_request = [None] * len(requests)
     for index in range(len(requests)):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import threading
+import time
 
 import torch
 
@@ -62,3 +64,29 @@ def encoded_elements(requests, name: str) -> tuple[list[bytes], list[int], list]
             elements.append(element if isinstance(element, bytes) else bytes(element))
             owners.append(index)
     return elements, owners, responses
+
+
+def device_fault(exc: BaseException) -> bool:
+    """A CUDA / cuDNN error: the instance's context is gone, every later batch on it would fail too."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(exc, accelerator_error) or "CUDA error" in str(exc) or "cuDNN error" in str(exc)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def exit_soon(reason: str, delay: float = 0.5, exit=os._exit) -> threading.Thread:
+    """End this stub `delay` seconds from now, once execute() has handed its error responses back: a CUDA
+    fault is sticky (every later batch would answer 500, and a live stub is never replaced), while a dead
+    stub is replaced in place by serve-repo's supervisor, with a new context."""
+    if pb_utils is not None:
+        pb_utils.Logger.log_error(f"{reason}: this stub exits so that its instance is replaced")
+
+    def later():
+        time.sleep(delay)
+        exit(70)  # EX_SOFTWARE
+    thread = threading.Thread(target=later, name="exit-after-device-fault", daemon=True)
+    thread.start()
+    return thread
