@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import compileall
-import contextlib
 import json
 import os
 import shutil
-import signal
 import tempfile
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -16,9 +13,10 @@ import torch
 
 from builder import config as cfg
 from builder import export
+from builder.staging import (BuildError, check_writable, remove_stale_staging, signals_deferred,  # noqa: F401
+                             staging_prefix, swap_in)
 from builder.weights import Classifier
 from common.contract import IMAGE, IMAGE_BYTES, IMAGE_INPUTS, LOGITS
-from common.procs import pid_alive
 
 _ROOT = Path(__file__).resolve().parent.parent
 # What each python model's version folder holds: model.py and the modules it imports from beside it.
@@ -35,10 +33,6 @@ FUSED_FILES = {**CLASSIFIER_FILES, **PREPROCESS_FILES, "model.py": "backends/fus
 ENGINES = ("torch", "torchscript", "onnxruntime", "openvino")
 CODE_DIR = "model_code"  # the user's model file in the version folder (engine torch)
 ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx", "openvino": "onnx"}  # engine -> its export
-
-
-class BuildError(RuntimeError):
-    """The build cannot go on; the message is one line for the user."""
 
 
 @dataclass(frozen=True)
@@ -83,49 +77,6 @@ def check_free(output: Path, name: str, formats: tuple[str, ...], force: bool,
     return names
 
 
-def check_writable(output: Path) -> None:
-    """Make `output` and prove a staging folder can be made beside it, before the slow part."""
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-        # A name no stale-staging sweep or watcher mistakes for a build; removed even if interrupted.
-        probe = Path(tempfile.mkdtemp(prefix=f".{output.resolve().name}-probe-", dir=output.resolve().parent))
-        probe.rmdir()
-    except OSError as exc:
-        raise BuildError(f"cannot write the repository {output}: {exc.strerror or exc}") from None
-
-
-def remove_stale_staging(output: Path) -> list[Path]:
-    """Staging folders of builds whose process is gone (killed -9, aborted): nothing else removes them."""
-    removed = []
-    for folder in output.resolve().parent.glob(f".{output.resolve().name}-build-*"):
-        pid = folder.name.rsplit("-build-", 1)[1].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Hold SIGINT/SIGTERM until the block ends. An exception raised inside a native exporter's
-    callback (ONNX) aborts the process (exit 134), skipping every cleanup; raised right after the
-    block, it ends the build through its cleanup. (Masking the signal is not enough: any of the
-    exporter's threads may take it.)"""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
-        yield
-        return
-    caught = []
-    held = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if caught:
-        raise KeyboardInterrupt
-
-
 def build(classifier: Classifier, output: Path, options: Options, force: bool = False,
           report=print) -> list[Path]:
     """Write every model directory into a staging folder, verify, then move them into place."""
@@ -134,7 +85,7 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
     remove_stale_staging(output)
     # The staging folder sits beside the repository (same filesystem: rename is atomic) but not
     # inside it, so a server watching the repository never sees a half-written model.
-    staging = Path(tempfile.mkdtemp(prefix=_staging_prefix(output), dir=output.resolve().parent))
+    staging = Path(tempfile.mkdtemp(prefix=staging_prefix(output), dir=output.resolve().parent))
     try:
         with signals_deferred():
             artifacts = _export(classifier, staging / "exports", options)
@@ -155,7 +106,7 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
             # a modified version, and a later load of a modified version (serve-repo replacing a dead stub) is
             # a whole new copy of the model instead of an update of just the dead instance's group.
             compileall.compile_dir(staging / name, quiet=1)
-        written = [_swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
+        written = [swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
         for name in retired_names(classifier.name, options.formats, options.image_model):
             # Written by an earlier build, served by nothing now: a server loading it would start its stub.
             if (output / name).exists():
@@ -331,20 +282,6 @@ def _config(model_dir: Path, inp: cfg.Tensor | tuple[cfg.Tensor, ...], out: cfg.
     spec = cfg.ModelSpec(name=model_dir.name, inputs=inputs, outputs=(out,), format=fmt, batching=options.batching,
                          kind=options.kind, instances=options.instances, parameters=parameters, steps=steps)
     cfg.write_config(spec.to_proto(), model_dir)
-
-
-def _staging_prefix(output: Path) -> str:
-    return f".{output.resolve().name}-build-{os.getpid()}-"
-
-
-def _swap_in(built: Path, target: Path) -> Path:
-    if target.exists():
-        retired = built.with_name(built.name + ".old")
-        target.rename(retired)  # kept until the new one is in place, so a failure loses nothing
-        built.rename(target)
-    else:
-        built.rename(target)
-    return target
 
 
 def _image(side: int) -> cfg.Tensor:
