@@ -60,6 +60,17 @@ def compile_bytecode(repository: Path) -> list[Path]:
     return written
 
 
+def fingerprint(model_dir: Path) -> tuple:
+    """What a model folder holds (path, size, mtime of each file; bytecode aside): build-repo --force replaces
+    every file, so a different fingerprint means a new build, not the one Triton loaded."""
+    files = []
+    for path in sorted(Path(model_dir).rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            stat = path.stat()
+            files.append((path.relative_to(model_dir).as_posix(), stat.st_size, stat.st_mtime_ns))
+    return tuple(files)
+
+
 def uses_gpu(repository: Path) -> bool:
     for config_path in Path(repository).glob("*/config.pbtxt"):
         try:  # a config Triton cannot parse is reported by Triton itself

@@ -201,6 +201,21 @@ class Supervisor:
         """Bring `model` back after a stub died: its instances replaced in place (the model stays loaded and
         its other instances keep serving); if Triton refuses that, unloaded and loaded again."""
         started = time.monotonic()
+        if self.server.rebuilt(model):
+            # The served config with the new files would be neither build: load the new one whole.
+            # A plain load of a modified folder is a whole new copy, swapped in when ready (no unload first:
+            # an unload waits forever for a batch that was in flight in the dead stub).
+            self.log(f"serve-repo: {model}: {why}; the repository holds a new build of it: loading that whole")
+            try:
+                self._interruptible(lambda: self.server.repository_api("load", model))
+            except ServerError as error:
+                self.log(f"serve-repo: {model}: loading the new build failed ({error}); unloading first")
+                self.reload_whole(model, started)
+                return
+            self.server.loaded_anew(model)
+            self.reloads += 1
+            self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
+            return
         self.log(f"serve-repo: {model}: {why}; replacing its instances (the model stays loaded)")
         try:
             config = self.server.model_config(model)
@@ -229,6 +244,7 @@ class Supervisor:
         except ServerError as error:
             self.log(f"serve-repo: {model}: reload failed: {error}")
             return
+        self.server.loaded_anew(model)
         self.reloads += 1
         self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
 

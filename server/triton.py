@@ -20,7 +20,7 @@ from common.procs import free_port, port_free
 from server.errors import ServerError
 from server.log import TritonLog
 from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, die_with_parent, remove_stale, stubs_of
-from server.repo import compile_bytecode, flag_names, gpu_flags, servable_models
+from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models
 from server.wheel import make_backend_dir, pytriton_root
 
 __all__ = ["ServerError", "TritonServer"]
@@ -50,6 +50,7 @@ class TritonServer:
         self.returncode: int | None = None
         self.skipped: dict[str, str] = {}
         self.loaded: list[str] = []
+        self.served_files: dict[str, tuple] = {}  # model -> fingerprint of the folder Triton loaded
         # In Triton's "none" mode the repository API is closed to clients; we keep a key for ourselves
         # (the supervisor reloads a model whose stub died).
         self.admin_key = secrets.token_hex(16) if model_control == "none" else None
@@ -128,6 +129,7 @@ class TritonServer:
         self._process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True,
                                          preexec_fn=lambda: die_with_parent(parent))
+        self.served_files = {name: fingerprint(self.repository / name) for name in self.loaded}
         self._pump_thread = threading.Thread(target=self.log.pump, args=(self._process,), daemon=True)
         self._pump_thread.start()
         deadline = time.monotonic() + timeout
@@ -182,6 +184,15 @@ class TritonServer:
             return True
         except OSError:
             return False
+
+    def rebuilt(self, name: str) -> bool:
+        """True when `name`'s folder no longer holds what Triton loaded (build-repo --force into a served
+        repository)."""
+        return name in self.served_files and fingerprint(self.repository / name) != self.served_files[name]
+
+    def loaded_anew(self, name: str) -> None:
+        """Record that Triton now serves what `name`'s folder holds."""
+        self.served_files[name] = fingerprint(self.repository / name)
 
     def model_ready(self, name: str) -> bool:
         return self._get(f"/v2/models/{name}/ready") == 200

@@ -224,3 +224,27 @@ def test_supervisor_reload_gives_up_at_once_when_stopped_while_the_unload_hangs(
     assert lines[-1] == "serve-repo: slow: reload failed: stopped while unloading", lines
     assert supervisor.reloads == 0 and supervisor._state("slow") == "UNLOADING"  # no load was sent
     print(f"reload returned {time.monotonic() - stopped:.2f}s after the stop")
+
+
+def test_dead_stub_after_a_rebuild_loads_the_new_build_whole_not_new_files_under_the_old_config(small_repo,
+                                                                                                 tmp_path):
+    """build-repo --force into a served repository, then a stub dies: the replacement is one coherent version
+    (here the new build, max batch 4), never the new files under the served config (max batch 8)."""
+    from support import build
+
+    repo = tmp_path / "repo"
+    shutil.copytree(small_repo, repo)
+    serve = ServeRepo(repo)
+    try:
+        assert serve.http.get_model_config(SMALL)["max_batch_size"] == 8
+        build(repo, "--max-batch-size", "4", "--force")
+        mark = len(serve.lines)
+        stub = next(s for s in faults.stubs_of(serve.triton_pid) if s.model == SMALL and s.alive)
+        os.kill(stub.pid, signal.SIGKILL)
+        serve.wait_for(f"{SMALL}: ready again", 120, mark)
+        assert serve.seen("holds a new build of it", mark), serve.lines[mark:]
+        assert serve.http.get_model_config(SMALL)["max_batch_size"] == 4
+        batch = faults.image(3)
+        assert faults.infer(serve.http, SMALL, batch).shape == (1, 1000)
+    finally:
+        serve.stop()
