@@ -97,6 +97,7 @@ class BatchRunner:
 
     def _run_gpu(self, parts: list[torch.Tensor], total: int) -> torch.Tensor:
         bucket = next((b for b in self.buckets if b >= total), total)
+        ordered_after_producers(self.stream, parts)
         with torch.cuda.stream(self.stream), torch.inference_mode():
             landing = self._gather(parts, total)
             if bucket in self._graphs:
@@ -185,3 +186,15 @@ def _rows(parts: list[torch.Tensor], start: int, size: int) -> list[torch.Tensor
             chosen.append(part[low:high])
         offset += part.shape[0]
     return chosen
+
+
+def ordered_after_producers(stream, parts: list[torch.Tensor]) -> None:
+    """Make `stream` wait for the work the callers queued on their current stream (the fused model stacks
+    its decoded images there, python_backend hands GPU inputs over on it), and tell the caching allocator
+    those tensors are in use on `stream` too, so their memory is not handed out again before it is done."""
+    gpu = [part for part in parts if part.device.type == "cuda"]
+    if not gpu:
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for part in gpu:
+        part.record_stream(stream)

@@ -75,6 +75,8 @@ class TritonPythonModel:
         if batch.device.type == "cuda" and not self.gpu_output:
             batch = batch.cpu()
         if batch.device.type == "cuda":  # stays on the GPU for the classifier (Triton's CUDA pool)
+            # python_backend copies it on a stream of its own: the stack and cast queued on ours must be done.
+            torch.cuda.current_stream(batch.device).synchronize()
             return pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor.from_dlpack(self.output_name, to_dlpack(batch))])
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(self.output_name, batch.numpy())])

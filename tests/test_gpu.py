@@ -130,3 +130,16 @@ def test_gpu_image_model_isolates_bad_bytes_when_served(tmp_path, small_model, i
         expected = reference_logits(small_model, weights_transform(pil_decode(blobs[name])).unsqueeze(0).numpy())[0]
         assert int(np.argmax(served[name])) == int(np.argmax(expected))
         assert relative_error(served[name], expected) <= 5e-2  # TF32 + nvJPEG's IDCT vs libjpeg-turbo
+
+
+def test_runner_reads_gpu_inputs_only_after_their_producer_stream_wrote_them():
+    """The fused model stacks its decoded images on the current stream; the runner computes on its own. A
+    producer held back (torch.cuda._sleep) then filling the input must be waited for, not raced."""
+    device = torch.device("cuda", 0)
+    runner = BatchRunner(torch.nn.Flatten(), device, (3, 4, 4), buckets=[1, 2, 4])
+    for _ in range(5):
+        part = torch.zeros((2, 3, 4, 4), device=device)
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time on the current stream before the fill
+        part.fill_(7.0)
+        rows = runner.run([part])
+        assert torch.equal(rows, torch.full((2, 48), 7.0)), "the runner read the input before it was written"
