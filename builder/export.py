@@ -12,6 +12,7 @@ from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
 TORCHSCRIPT_OUTPUT = f"{OUTPUT}__0"
 ONNX_OPSET = 17
 TOLERANCE = 1e-4
+BF16_TOLERANCE = 3e-2
 
 
 class ExportError(RuntimeError):
@@ -53,11 +54,13 @@ def export_torchscript(model: torch.nn.Module, path: Path, side: int) -> Path:
     return path
 
 
-def run_openvino(path: Path, batch: np.ndarray) -> np.ndarray:
-    """The model as the openvino engine runs it (OpenVINO's own precision choice for this CPU)."""
+def run_openvino(path: Path, batch: np.ndarray, precision: str = "auto") -> np.ndarray:
+    """The model as the openvino engine runs it: `precision` as the config records it (auto and int8: OpenVINO's
+    own choice for this CPU; fp32 and bf16: asked for, as backends/engines.py asks)."""
     import openvino as ov
 
-    compiled = ov.Core().compile_model(str(path), "CPU")
+    hint = {"fp32": "f32", "bf16": "bf16"}.get(precision)
+    compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": hint} if hint else {})
     return compiled([batch])[compiled.output(0)]
 
 
@@ -75,8 +78,9 @@ def run_torchscript(path: Path, batch: np.ndarray) -> np.ndarray:
 
 
 def verify(model: torch.nn.Module, artifacts: dict[str, Path], side: int, batch_size: int = 4,
-           seed: int = 0) -> dict[str, float]:
-    """Max error relative to the output's scale, per format, on one random batch; eager is the reference."""
+           seed: int = 0, openvino: tuple[str, Path] | None = None) -> dict[str, float]:
+    """Max error relative to the output's scale, per format, on one random batch; eager is the reference.
+    `openvino`: (precision, model file) of the engine that will serve, run as it will run (row SERVED_ROW)."""
     batch = np.random.default_rng(seed).standard_normal((batch_size, 3, side, side)).astype(np.float32)
     with torch.no_grad():
         eager = model.eval()(torch.from_numpy(batch)).numpy()
@@ -87,12 +91,27 @@ def verify(model: torch.nn.Module, artifacts: dict[str, Path], side: int, batch_
         if out.shape != eager.shape:
             raise ExportError(f"{name} returned shape {out.shape}, eager {eager.shape}")
         errors[name] = float(np.abs(out - eager).max() / np.abs(eager).max())
+    if openvino is not None:
+        precision, path = openvino
+        out = run_openvino(path, batch, precision)
+        errors[f"openvino {precision}"] = float(np.abs(out - eager).max() / np.abs(eager).max())
     return errors
+
+
+def tolerance(name: str) -> float:
+    """What a row may differ from eager by: the exact exports and fp32 1e-4; bf16 (auto: bf16 where the CPU has
+    it) keeps 8 bits of mantissa, 3e-2 (ResNet-18 measured ~4e-3); int8 is judged by the accuracy gate on real
+    images, not on this random batch."""
+    if name.startswith("openvino "):
+        return {"fp32": TOLERANCE, "auto": BF16_TOLERANCE, "bf16": BF16_TOLERANCE}.get(name.split()[1], float("inf"))
+    return TOLERANCE
 
 
 def error_table(errors: dict[str, float]) -> str:
     rows = [f"{'format':<12} {'max rel. error vs eager':>24}  verdict"]
     for name, error in errors.items():
-        verdict = "ok" if error <= TOLERANCE else f"FAIL (> {TOLERANCE:g})"
+        limit = tolerance(name)
+        verdict = ("ok" if error <= limit else f"FAIL (> {limit:g})") if limit < float("inf") else \
+            "reported (int8: the accuracy gate above judges it)"
         rows.append(f"{name:<12} {error:>24.3e}  {verdict}")
     return "\n".join(rows)

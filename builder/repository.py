@@ -94,12 +94,15 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
                                            report)
         if options.verify:
             exact = {name: path for name, path in artifacts.items() if name in ("onnx", "torchscript")}
-            errors = export.verify(classifier.module, exact, classifier.crop)
+            serving = None  # the engine and precision that will serve, as they will run
+            if options.engine == "openvino":
+                serving = (options.precision, artifacts["onnx_int8" if options.precision == "int8" else "onnx"])
+            errors = export.verify(classifier.module, exact, classifier.crop, openvino=serving)
             report(export.error_table(errors))
-            bad = [name for name, error in errors.items() if error > export.TOLERANCE]
+            bad = [f"{name} ({error:.1e} > {export.tolerance(name):g})" for name, error in errors.items()
+                   if error > export.tolerance(name)]
             if bad:
-                raise BuildError(f"{', '.join(bad)} differ from eager torch by more than {export.TOLERANCE:g}; "
-                                 "nothing was written")
+                raise BuildError(f"{', '.join(bad)} differ from eager torch; nothing was written")
         _write_all(staging, classifier, options, artifacts)
         for name in names:
             # Bytecode written now, not by the stubs at the first load: Triton counts files newer than a load as

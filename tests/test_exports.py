@@ -57,6 +57,19 @@ def test_build_repo_prints_error_table_when_verifying(tmp_path, capsys):
     build(tmp_path, "--formats", "python,onnx", "--verify")
     out = capsys.readouterr().out
     assert "max rel. error vs eager" in out and "onnx" in out and "FAIL" not in out
+    assert "openvino fp32" in out  # the engine and precision that will serve, as they will run
+
+
+def test_verify_judges_the_serving_precision_by_its_own_tolerance_when_it_is_bf16(tmp_path, monkeypatch, capsys):
+    """--verify runs what will serve: openvino bf16 gets bf16's tolerance, and fails beyond it."""
+    real = export.run_openvino
+    monkeypatch.setattr(export, "run_openvino", lambda path, batch, precision="auto":
+                        real(path, batch, "fp32") * (1.05 if precision == "bf16" else 1.0))
+    status = build_repo.main(["--model", SMALL, "--weights", "random", "--output", str(tmp_path / "T"),
+                              "--kind", "cpu", "--precision", "bf16", "--verify"])
+    captured = capsys.readouterr()
+    assert status == 1 and "openvino bf16" in captured.out and "FAIL (> 0.03)" in captured.out, captured
+    assert "openvino bf16" in captured.err and not any((tmp_path / "T").iterdir())
 
 
 def test_build_repo_fails_and_writes_nothing_when_an_export_differs(tmp_path, monkeypatch, capsys):
