@@ -15,10 +15,12 @@ import torch
 try:  # in Triton: the version folder, which holds copies of these, is on sys.path
     from contract import IMAGE, LOGITS
     from cpu import cpu_bf16, cpuinfo  # noqa: F401 - cpuinfo: perf reads the CPU as the backend does
+    from messages import first_line
     from model_code import import_model_class
 except ImportError:
     from common.contract import IMAGE, LOGITS
     from common.cpu import cpu_bf16, cpuinfo  # noqa: F401
+    from common.messages import first_line
     from common.model_code import import_model_class
 
 ENGINE_FILES = {"torch": "weights.pt", "torchscript": "model.pt", "onnxruntime": "model.onnx", "openvino": "model.onnx"}
@@ -54,8 +56,8 @@ def load_engine(version_dir: Path, params: dict, device: torch.device, memory_fo
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
         return model.to(device, memory_format=memory_format).eval()
     except Exception as exc:  # say which engine and file, not just the loader's KeyError
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise RuntimeError(f"cannot load the {engine} engine from {path}: {type(exc).__name__}: {first}") from exc
+        raise RuntimeError(f"cannot load the {engine} engine from {path}: {type(exc).__name__}: "
+                           f"{first_line(exc)}") from exc
 
 
 class _OnnxRuntime:

@@ -15,6 +15,10 @@ try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton (tests, perf): only the helpers that need no Triton work
     pb_utils = None
+try:  # in Triton: the version folder, which holds a copy of it, is on sys.path
+    from messages import first_line  # noqa: F401 - the backends' one home for it
+except ImportError:
+    from common.messages import first_line  # noqa: F401
 
 
 def model_parameters(config: dict) -> dict[str, str]:
@@ -70,11 +74,6 @@ def device_fault(exc: BaseException) -> bool:
     """A CUDA / cuDNN error: the instance's context is gone, every later batch on it would fail too."""
     accelerator_error = getattr(torch, "AcceleratorError", ())
     return isinstance(exc, accelerator_error) or "CUDA error" in str(exc) or "cuDNN error" in str(exc)
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def exit_soon(reason: str, delay: float = 0.5, exit=os._exit) -> threading.Thread:

@@ -14,6 +14,7 @@ import torchvision
 
 from builder.weights import (Classifier, ModelCode, Preprocessing, WeightsError, classification_models,
                              torchvision_module)
+from common.messages import first_line
 
 
 def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -116,18 +117,18 @@ def code_classifier(code: ModelCode, state: dict, name: str, label: str, preproc
     except ValueError as exc:
         raise WeightsError(str(exc)) from None
     except Exception as exc:  # the user's code failed: its first line, not our traceback
-        raise WeightsError(f"model file {code.file.name} failed: {type(exc).__name__}: {_first(exc)}") from None
+        raise WeightsError(f"model file {code.file.name} failed: {type(exc).__name__}: {first_line(exc)}") from None
     try:
         module.load_state_dict(state)
     except RuntimeError as exc:
-        raise WeightsError(f"weights {label} do not fit {cls.__name__} from {code.file.name}: {_first(exc)}") from None
+        raise WeightsError(f"weights {label} do not fit {cls.__name__} from {code.file.name}: {first_line(exc)}") from None
     module.eval()
     try:
         with torch.inference_mode():
             out = module(torch.zeros(1, 3, preprocessing.crop, preprocessing.crop))
     except Exception as exc:
         raise WeightsError(f"{cls.__name__} cannot classify a 3x{preprocessing.crop}x{preprocessing.crop} image: "
-                           f"{type(exc).__name__}: {_first(exc)}") from None
+                           f"{type(exc).__name__}: {first_line(exc)}") from None
     if not isinstance(out, torch.Tensor) or out.dim() != 2:
         raise WeightsError(f"{cls.__name__} must return logits [N, classes], returned "
                            f"{type(out).__name__} {list(getattr(out, 'shape', []))}")
@@ -197,6 +198,3 @@ def module_imports(path: Path) -> tuple[str, ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _first(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from builder.weights import WeightsError
+from common.messages import first_line
 
 MANIFEST = "MAR-INF/MANIFEST.json"
 # TorchServe's built-in handler whose preprocessing we reproduce exactly (builder.weights.IMAGENET).
@@ -149,7 +150,7 @@ def _yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ArchiveError(f"{path.name} in the archive is not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ArchiveError(f"{path.name} in the archive is not valid YAML: {first_line(exc)}") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -23,9 +23,10 @@ _ROOT = Path(__file__).resolve().parent.parent
 CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "backends/batch_runner.py",
                     "engines.py": "backends/engines.py", "triton_io.py": "backends/triton_io.py",
                     "contract.py": "common/contract.py", "model_code.py": "common/model_code.py",
-                    "cpu.py": "common/cpu.py"}
+                    "cpu.py": "common/cpu.py", "messages.py": "common/messages.py"}
 PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "backends/decoding.py",
                     "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
+                    "messages.py": "common/messages.py",
                     "transforms.py": "common/transforms.py"}
 # NAME_image as one python model (--image-model fused): its model.py runs the two above, unchanged, in one stub.
 FUSED_FILES = {**CLASSIFIER_FILES, **PREPROCESS_FILES, "model.py": "backends/fused.py",

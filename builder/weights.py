@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 import torchvision
 from torchvision.models import Weights, WeightsEnum
+from common.messages import first_line
 
 WEIGHT_CHOICES = ("auto", "random", "DEFAULT", "IMAGENET1K_V1", "IMAGENET1K_V2")
 
@@ -187,8 +188,7 @@ def torchvision_module(name: str, num_classes: int, state: dict, label: str) -> 
     try:
         module.load_state_dict(state)
     except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise WeightsError(f"weights {label} do not fit {name}: {first}") from exc
+        raise WeightsError(f"weights {label} do not fit {name}: {first_line(exc)}") from exc
     return module.eval()
 
 

@@ -9,6 +9,7 @@ import numpy as np
 from common.cli import OneLineParser
 
 from common.contract import IMAGE_INPUTS, LOGITS as OUTPUT
+from common.messages import first_line
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "uint8": np.uint8}
 
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"classify: error: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # tritonclient's connection and server errors
-        print(f"classify: error: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        print(f"classify: error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
         return 1
     for path, rows in zip(args.images, results):
         print(f"{path}:")

@@ -20,6 +20,7 @@ import torch
 import torchvision
 
 from common.cli import OneLineParser
+from common.messages import first_line
 
 VARIANTS = ("eager", "folded", "graph", "compile")
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                         point["max_rel_diff_vs_eager_fp32"] = float(diff)
                         point["images_per_s"] = rate(run, typed, args.seconds, sync)
                     except Exception as exc:  # one variant failing (e.g. compile) must not end the run
-                        point["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                        point["error"] = f"{type(exc).__name__}: {first_line(exc)}"
                     print(json.dumps(point), flush=True)
                     result["points"].append(point)
                     args.output.parent.mkdir(parents=True, exist_ok=True)

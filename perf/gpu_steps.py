@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.cli import OneLineParser
+from common import messages
 
 ROOT = Path(__file__).resolve().parent.parent
 # name -> (module, function, needs CUDA), in the order perf.gpu_diagnose runs them: what the next GPU
@@ -61,8 +62,7 @@ def result_path(out: Path, step: str) -> Path:
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:500]
+    return messages.first_line(exc, type(exc).__name__)[:500]
 
 
 def run(step: str, out: Path, timeout_s: float) -> dict:

@@ -15,6 +15,7 @@ from builder import config as cfg
 from common.modelconfig import instance_count, to_text
 from perf import loadgen
 from clients.classify import model_config
+from common.messages import first_line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tune: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # tritonclient errors: show the server's reason in one line
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = first_line(exc, type(exc).__name__)
         if "restricted" in message:
             message += " (start the server with `serve-repo --model-control explicit`)"
         print(f"tune: error: {message}", file=sys.stderr)
