@@ -17,23 +17,29 @@ IMAGE_UINT8 = "IMAGE_UINT8"  # UINT8 [N, 3, H, W]: pixels 0..255 after resize + 
 # clients fill the one input they read); NAME_preprocess hands NAME the same tensor in the ensemble.
 IMAGE_INPUTS = {"fp32": (IMAGE, "FP32"), "fp16": (IMAGE_FP16, "FP16"), "uint8": (IMAGE_UINT8, "UINT8")}
 
-# Model config parameters that build-repo writes and the backends or clients read (string values).
+# Every model config parameter build-repo writes or a backend reads (string values), with what it means:
+# tests/test_build_repo.py checks that each parameter a build writes is here.
 PARAMETERS = {
-    "engine": "what the classifier's stub runs: torch, torchscript or onnxruntime",
+    "FORCE_CPU_ONLY_INPUT_TENSORS": "python_backend's: no lets GPU tensors from an ensemble step stay on the GPU",
+    "engine": "what the classifier's stub runs: torch, torchscript, onnxruntime or openvino",
     "weights_file": "the state_dict in the version folder (engine torch)",
     "model_file": "the user's model code in the version folder (engine torch, --model-file/.mar)",
     "model_class": "the nn.Module class in model_file",
+    "model_imports": "modules the model file imports (provenance)",
     "torchvision_model": "the torchvision architecture the weights fit",
     "num_classes": "rows of LOGITS",
-    "num_threads": "threads per instance; 0: the engine's default (preprocess: 1 on CPU, 4 on GPU)",
+    "num_threads": "engine threads per instance; 0: the cores shared among the instances (preprocess: 1 on CPU)",
+    "ort_allow_spinning": "onnxruntime's workers spin between batches: 1, or 0 (the default: they steal cores)",
     "precision": "fp32 (the default: eager PyTorch's answers), auto, fp16, bf16 or int8",
     "cuda_graphs": "1: one CUDA graph per batch bucket",
     "cudnn_benchmark": "1: cuDNN picks its algorithms per bucket at load time",
     "batch_buckets": "comma list of batch sizes a GPU instance pads to",
-    "decode_device": "cpu or gpu: where NAME_preprocess decodes JPEGs",
+    "decode_device": "cpu or gpu: where JPEGs are decoded (nvJPEG on a GPU instance)",
+    "decode_workers": "PIL threads of the fused model (default 4 on a GPU instance, 1 on CPU)",
+    "output_device": "gpu (default) or cpu: where NAME_preprocess on a GPU instance hands IMAGE over",
+    "max_pixels": "the largest image (pixels) a header may claim; default 50 M (decoding.DEFAULT_MAX_PIXELS)",
     "weights": "where the weights came from (provenance)",
     "source": "what the model was built from, e.g. a TorchServe archive (provenance)",
-    "model_imports": "modules the model file imports (provenance)",
     "labels": "JSON list of class names, unless they are the torchvision weights' own",
     "preprocess_weights": "torchvision weights whose transforms() and categories apply",
     "resize_size": "preprocessing: shorter side after resizing, pixels",

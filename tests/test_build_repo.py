@@ -125,3 +125,12 @@ def test_build_repo_exits_2_with_one_line_when_arguments_are_bad(tmp_path, args,
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_every_parameter_a_build_writes_is_documented_in_the_contract_when_built(built, tmp_path):
+    from common.contract import PARAMETERS
+
+    build(tmp_path / "fused", "--image-model", "fused", "--formats", "python,onnx")
+    written = {key for repo in (built, tmp_path / "fused") for path in repo.glob("*/config.pbtxt")
+               for key in read_config(path).parameters}
+    assert written and not written - set(PARAMETERS), sorted(written - set(PARAMETERS))
