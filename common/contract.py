@@ -31,6 +31,9 @@ PARAMETERS = {
     "cudnn_benchmark": "1: cuDNN picks its algorithms per bucket at load time",
     "batch_buckets": "comma list of batch sizes a GPU instance pads to",
     "decode_device": "cpu or gpu: where NAME_preprocess decodes JPEGs",
+    "max_pixels": "largest image (width x height, by its header) any model decodes; default 50,000,000",
+    "gpu_decode_budget_mb": "decoded RGB bytes per batched GPU JPEG decode, MB (a larger image goes alone); "
+                            "default 1024",
     "weights": "where the weights came from (provenance)",
     "source": "what the model was built from, e.g. a TorchServe archive (provenance)",
     "model_imports": "modules the model file imports (provenance)",
