@@ -13,20 +13,39 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 DEFAULT_MAX_PIXELS = 50_000_000  # a 48 MP phone photo fits; a decompression bomb does not
 EXIF_ORIENTATION = 0x0112
+# In entropy-coded data a 0xFF is either stuffed (0xFF00) or a restart marker (0xFFD0-D7); any other byte
+# after it starts the next marker. One C-level search instead of a Python step per byte (holding the GIL):
+# 69-74 -> 0.35-0.50 ms per MB, 2.7 -> 0.02 ms for the 38 KB sample (perf/results/jpeg-scan.json).
+_NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7]")
 
 
 class ImageError(ValueError):
     """This element is not one image we can decode; the message names the problem."""
 
 
+def apply_max_pixels(params: dict[str, str]) -> int:
+    """Sets PIL's process-wide bound from the `max_pixels` parameter (DEFAULT_MAX_PIXELS if absent); returns it.
+
+    PIL checks the size a header claims before decoding a pixel: this bounds each image's memory."""
+    Image.MAX_IMAGE_PIXELS = int(params.get("max_pixels", "") or DEFAULT_MAX_PIXELS)
+    return Image.MAX_IMAGE_PIXELS
+
+
 def tensor_decodable(data: bytes) -> bool:
     """True for a complete JPEG whose pixels decode_jpeg gives exactly as PIL would; checks as PIL does."""
-    image = open_checked(data)
+    return tensor_pixels(data) > 0
+
+
+def tensor_pixels(data: bytes) -> int:
+    """The pixel count its header declares if tensor_decodable(data), else 0 (raises ImageError as PIL would)."""
+    image, end = _opened(data)
     if image.format != "JPEG" or image.mode not in ("RGB", "L"):
-        return False  # CMYK/YCCK and other formats: PIL converts them
+        return 0  # CMYK/YCCK and other formats: PIL converts them
     if image.getexif().get(EXIF_ORIENTATION, 1) != 1:
-        return False  # rotated by EXIF: PIL's exif_transpose applies it
-    return _jpeg_end(data) is not None  # a truncated file gets PIL's clear error, not a gray tail
+        return 0  # rotated by EXIF: PIL's exif_transpose applies it
+    if end is None:
+        return 0  # a truncated file gets PIL's clear error, not a gray tail
+    return image.width * image.height
 
 
 def detached(error: ImageError) -> ImageError:
@@ -39,6 +58,11 @@ def detached(error: ImageError) -> ImageError:
 
 def open_checked(data: bytes) -> Image.Image:
     """PIL's view of the header (no pixels decoded), or ImageError for empty, unknown, bombs, multi-image."""
+    return _opened(data)[0]
+
+
+def _opened(data: bytes) -> tuple[Image.Image, int | None]:
+    """open_checked's image and, for a JPEG, where its EOI ends (None if truncated): scanned once per image."""
     if not data:
         raise ImageError("empty image (0 bytes)")
     try:
@@ -47,9 +71,10 @@ def open_checked(data: bytes) -> Image.Image:
             image = Image.open(io.BytesIO(data))
             if getattr(image, "n_frames", 1) > 1:
                 raise ImageError(f"{image.format} holds {image.n_frames} images; send one image per element")
-            if image.format == "JPEG" and _second_jpeg(data):
+            end = _jpeg_end(data) if image.format == "JPEG" else None
+            if end is not None and data.find(b"\xff\xd8\xff", end) != -1:  # another JPEG after the first's EOI
                 raise ImageError("more than one JPEG image in one element; send one image per element")
-            return image
+            return image, end
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -88,13 +113,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _second_jpeg(data: bytes) -> bool:
-    """True if another JPEG starts after the end (EOI) of the first one's entropy-coded scans."""
-    end = _jpeg_end(data)
-    return end is not None and data.find(b"\xff\xd8\xff", end) != -1
-
-
 def _jpeg_end(data: bytes) -> int | None:
+    """Index just past the first JPEG's EOI marker, walking its segments; None if the data ends first."""
     position = 2  # after SOI
     while position + 2 <= len(data):
         if data[position] != 0xFF:
@@ -110,8 +130,8 @@ def _jpeg_end(data: bytes) -> int | None:
         length = int.from_bytes(data[position + 2:position + 4], "big")
         position += 2 + length
         if marker == 0xDA:  # start of scan: skip entropy-coded data to the next real marker
-            while position + 1 < len(data):
-                if data[position] == 0xFF and data[position + 1] not in (0x00, *range(0xD0, 0xD8)):
-                    break
-                position += 1
+            found = _NEXT_MARKER.search(data, position)
+            if found is None:
+                return None
+            position = found.start()
     return None

@@ -16,12 +16,12 @@ import torch
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from classifier import TritonPythonModel as Classifier
     from contract import IMAGE
-    from preprocess import Preprocessor, preprocessed
+    from preprocess import preprocessed, preprocessor_for
     from transforms import transform_from_parameters
     from triton_io import model_parameters
 except ImportError:
     from backends.classifier import TritonPythonModel as Classifier
-    from backends.preprocess import Preprocessor, preprocessed
+    from backends.preprocess import preprocessed, preprocessor_for
     from backends.triton_io import model_parameters
     from common.contract import IMAGE
     from common.transforms import transform_from_parameters
@@ -38,7 +38,8 @@ class TritonPythonModel(Classifier):
         on_gpu = self.device.type == "cuda"
         workers = int(params.get("decode_workers", "0") or 0) or (4 if on_gpu else 1)
         tensor_decode = on_gpu and params.get("decode_device", "gpu") == "gpu"
-        self.preprocess = Preprocessor(transform_from_parameters(params), self.device, tensor_decode, workers)
+        transform = transform_from_parameters(params)
+        self.preprocess = preprocessor_for(params, transform, self.device, tensor_decode, workers)
 
     def execute(self, requests):
         responses, images = preprocessed(self.preprocess, requests)

@@ -10,7 +10,6 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from PIL import Image
 from torch.utils.dlpack import to_dlpack
 from torchvision.io import ImageReadMode, decode_jpeg
 try:
@@ -19,16 +18,19 @@ except ImportError:  # imported outside Triton, e.g. by tests and perf to run th
     pb_utils = None
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from contract import IMAGE_BYTES
-    from decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
+    from decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
     from transforms import pixels_from_parameters, transform_from_parameters
     from triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
                            honor_faulthandler, instance_device, model_parameters)
 except ImportError:
-    from backends.decoding import DEFAULT_MAX_PIXELS, ImageError, decode, detached, tensor_decodable
+    from backends.decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
     from backends.triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
                                     honor_faulthandler, instance_device, model_parameters)
     from common.contract import IMAGE_BYTES
     from common.transforms import pixels_from_parameters, transform_from_parameters
+
+# nvJPEG holds a whole batch's pixels at once (64 x 50 MP x 3 B = 9.6 GB): decode in chunks under this.
+DEFAULT_GPU_DECODE_BUDGET_MB = 1024
 
 
 class TritonPythonModel:
@@ -37,8 +39,6 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = model_parameters(config)
         self.batched = int(config.get("max_batch_size", 0)) > 0
-        # PIL checks the size a header claims before decoding a pixel: this bounds each image's memory.
-        Image.MAX_IMAGE_PIXELS = int(params.get("max_pixels", DEFAULT_MAX_PIXELS))
         threads = int(params.get("num_threads", "0") or 0)
         device = instance_device(args)
         if device.type == "cuda":
@@ -58,7 +58,7 @@ class TritonPythonModel:
         # Built once: the preprocessing build-repo recorded (the weights' own transforms() for torchvision).
         transform = (pixels_from_parameters if self.output_dtype == torch.uint8 else transform_from_parameters)(params)
         on_device = device.type == "cuda" and params.get("decode_device", "cpu") == "gpu"
-        self.preprocess = Preprocessor(transform, device, tensor_decode=on_device)
+        self.preprocess = preprocessor_for(params, transform, device, tensor_decode=on_device)
         self.gpu_output = params.get("output_device", "gpu") == "gpu"
 
     def execute(self, requests):
@@ -80,6 +80,28 @@ class TritonPythonModel:
             return pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor.from_dlpack(self.output_name, to_dlpack(batch))])
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(self.output_name, batch.numpy())])
+
+
+def preprocessor_for(params: dict[str, str], transform, device: torch.device, tensor_decode: bool,
+                     workers: int = 1) -> "Preprocessor":
+    """The Preprocessor a model's config parameters ask for (NAME_preprocess and the fused model alike); also
+    sets PIL's process-wide pixel bound from `max_pixels`, so every model that decodes refuses the same bombs."""
+    apply_max_pixels(params)
+    budget_mb = float(params.get("gpu_decode_budget_mb", "") or DEFAULT_GPU_DECODE_BUDGET_MB)
+    return Preprocessor(transform, device, tensor_decode, workers, decode_budget=int(budget_mb * 2**20))
+
+
+def decode_chunks(pixels: list[int], budget: int) -> list[list[int]]:
+    """Indices of `pixels` in order, grouped so that each group's pixels x 3 bytes stay within `budget`
+    (an image over the budget on its own goes alone)."""
+    chunks, used = [], 0
+    for index, count in enumerate(pixels):
+        if not chunks or used + count * 3 > budget:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(index)
+        used += count * 3
+    return chunks
 
 
 def preprocessed(preprocess: "Preprocessor", requests) -> tuple[list, list]:
@@ -113,31 +135,42 @@ class Preprocessor:
     """Encoded images -> normalized CHW float tensors on `device`, or the ImageError of each bad one.
 
     With `tensor_decode`, plain JPEGs (RGB or gray, no EXIF rotation, complete) are decoded together by
-    torchvision's decode_jpeg on `device` (nvJPEG on a GPU) and transformed there; everything else, and
+    torchvision's decode_jpeg on `device` (nvJPEG on a GPU), in chunks of at most `decode_budget` bytes of
+    decoded pixels (by their headers' sizes), and transformed there; everything else, and
     any JPEG that decoder refuses, takes the PIL path, whose errors name the problem.
     """
 
-    def __init__(self, transform, device: torch.device, tensor_decode: bool, workers: int = 1):
+    def __init__(self, transform, device: torch.device, tensor_decode: bool, workers: int = 1,
+                 decode_budget: int = DEFAULT_GPU_DECODE_BUDGET_MB * 2**20):
         self.transform, self.device, self.tensor_decode = transform, device, tensor_decode
+        self.decode_budget = decode_budget  # bytes of decoded RGB pixels per batched decode_jpeg call
         # PIL releases the GIL while it decodes and resizes: a pool decodes a batch's images in parallel.
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pil") if workers > 1 else None
 
     def __call__(self, elements: list[bytes]) -> list:
-        results, fast, slow = [None] * len(elements), [], []
+        results, fast, pixels, slow = [None] * len(elements), [], [], []
         for index, data in enumerate(elements):
             try:
-                (fast if self.tensor_decode and tensor_decodable(data) else slow).append(index)
+                count = tensor_pixels(data) if self.tensor_decode else 0
             except ImageError as exc:
                 results[index] = detached(exc)
-        decoded = self._decode([elements[i] for i in fast])
-        for index, image in zip(fast, decoded):
-            if image is None:  # the decoder refused it: PIL's path, whose errors name the problem
-                slow.append(index)
                 continue
-            try:
-                results[index] = self._tensor_transform(image)
-            except ImageError as exc:
-                results[index] = detached(exc)
+            if count:  # the header's size, read by the same open that checked the element
+                fast.append(index)
+                pixels.append(count)
+            else:
+                slow.append(index)
+        # Each chunk is transformed before the next is decoded: only one chunk's full-size pixels at a time.
+        for chunk in decode_chunks(pixels, self.decode_budget):
+            indices = [fast[i] for i in chunk]
+            for index, image in zip(indices, self._decode([elements[i] for i in indices])):
+                if image is None:  # the decoder refused it: PIL's path, whose errors name the problem
+                    slow.append(index)
+                    continue
+                try:
+                    results[index] = self._tensor_transform(image)
+                except ImageError as exc:
+                    results[index] = detached(exc)
         mapper = self._pool.map if self._pool is not None and len(slow) > 1 else map
         for index, result in zip(slow, mapper(self._pil_or_error, [elements[i] for i in slow])):
             results[index] = result
@@ -150,7 +183,7 @@ class Preprocessor:
         return "tensor" if self.tensor_decode and tensor_decodable(data) else "pil"
 
     def _decode(self, blobs: list[bytes]) -> list:
-        """uint8 CHW tensors (None where the decoder refused one): one batched call, then one by one."""
+        """uint8 CHW tensors (None where the decoder refused one): one batched call, else one by one."""
         if not blobs:
             return []
         tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]

@@ -37,7 +37,9 @@ PARAMETERS = {
     "decode_device": "cpu or gpu: where JPEGs are decoded (nvJPEG on a GPU instance)",
     "decode_workers": "PIL threads of the fused model (default 4 on a GPU instance, 1 on CPU)",
     "output_device": "gpu (default) or cpu: where NAME_preprocess on a GPU instance hands IMAGE over",
-    "max_pixels": "the largest image (pixels) a header may claim; default 50 M (decoding.DEFAULT_MAX_PIXELS)",
+    "max_pixels": "largest image (width x height, by its header) any model decodes; default 50,000,000",
+    "gpu_decode_budget_mb": "decoded RGB bytes per batched GPU JPEG decode, MB (a larger image goes alone); "
+                            "default 1024",
     "weights": "where the weights came from (provenance)",
     "source": "what the model was built from, e.g. a TorchServe archive (provenance)",
     "labels": "JSON list of class names, unless they are the torchvision weights' own",
