@@ -23,7 +23,7 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
                            honor_faulthandler, instance_device, model_parameters)
 except ImportError:
-    from backends.decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
+    from common.decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
     from backends.triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
                                     honor_faulthandler, instance_device, model_parameters)
     from common.contract import IMAGE_BYTES

@@ -35,18 +35,13 @@ def calibration_files(folder: Path, limit: int = MAX_IMAGES) -> list[Path]:
 
 
 def load_image(path: Path):
-    """One RGB PIL image, EXIF orientation applied (as backends/decoding.py decodes served images;
-    builder/ may not import backends/), or QuantizeError naming the file."""
-    from PIL import Image, ImageOps
+    """One RGB PIL image decoded exactly as the server decodes it (common/decoding.py: EXIF orientation,
+    16-bit and palette images, the pixel bound), or QuantizeError naming the file."""
+    from common.decoding import ImageError, decode
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                image.load()
-                return ImageOps.exif_transpose(image).convert("RGB")
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombWarning,
-            Image.DecompressionBombError) as exc:
+        return decode(path.read_bytes())
+    except (OSError, ImageError) as exc:
         raise QuantizeError(f"calibration image {path} is unreadable: {exc}") from None
 
 

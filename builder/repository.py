@@ -24,7 +24,7 @@ CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "ba
                     "engines.py": "backends/engines.py", "triton_io.py": "backends/triton_io.py",
                     "contract.py": "common/contract.py", "model_code.py": "common/model_code.py",
                     "cpu.py": "common/cpu.py", "messages.py": "common/messages.py"}
-PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "backends/decoding.py",
+PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "common/decoding.py",
                     "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
                     "messages.py": "common/messages.py",
                     "transforms.py": "common/transforms.py"}

@@ -92,14 +92,15 @@ def preprocess_for(config: dict, dtype: str = "fp32"):
 
 
 def load_images(paths: list[Path], transform, dtype: str = "fp32") -> np.ndarray:
-    from PIL import Image
+    """The files decoded as the server decodes them (common/decoding.py: EXIF rotation, 16-bit, palette,
+    CMYK), so the tensor path and the image path agree on a phone photo."""
+    from common.decoding import ImageError, decode
 
     batch = []
     for path in paths:
         try:
-            with Image.open(path) as image:
-                batch.append(transform(image.convert("RGB")).numpy())
-        except (OSError, ValueError) as exc:
+            batch.append(transform(decode(path.read_bytes())).numpy())
+        except (OSError, ImageError) as exc:
             raise ClientError(f"cannot read image {path}: {exc}") from exc
     return np.stack(batch).astype(NUMPY_DTYPES[dtype])
 

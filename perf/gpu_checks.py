@@ -83,7 +83,7 @@ def parity(ctx: Context) -> None:
     import torch
     import torchvision
 
-    from backends.decoding import decode
+    from common.decoding import decode
     from backends.preprocess import Preprocessor
     from perf.samples import sample_jpegs
 

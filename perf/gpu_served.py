@@ -135,7 +135,7 @@ def _reference(jpeg: bytes) -> np.ndarray:
     import torch
     import torchvision
 
-    from backends.decoding import decode
+    from common.decoding import decode
 
     torch.manual_seed(0)
     model = torchvision.models.get_model(MODEL, weights=None).eval()

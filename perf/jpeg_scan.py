@@ -1,4 +1,4 @@
-"""The JPEG end scan (backends/decoding.py's _jpeg_end), before and after: a Python step per byte vs one re search.
+"""The JPEG end scan (common/decoding.py's _jpeg_end), before and after: a Python step per byte vs one re search.
 
 Every element is scanned to find where its JPEG ends (two JPEGs in one element are refused, a truncated one
 goes to PIL); the tensor path used to scan twice. Timed on the 38 KB sample and a ~5 MB JPEG (the sample
@@ -67,7 +67,7 @@ def best_ms(scan, data: bytes, seconds: float) -> tuple[float, int]:
 
 
 def measure(name: str, data: bytes, seconds: float) -> dict:
-    from backends.decoding import _jpeg_end
+    from common.decoding import _jpeg_end
 
     if _jpeg_end(data) != before_per_byte_end(data) or _jpeg_end(data) is None:
         raise RuntimeError(f"{name}: the two scans disagree")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join(["python -m perf.jpeg_scan", *(argv if argv is not None else sys.argv[1:])]),
               "cpu": cpuinfo("model name"), "python": platform.python_version(),
               "before": "per-byte Python loop over the entropy-coded data (before_per_byte_end)",
-              "after": "backends.decoding._jpeg_end: one compiled re search per scan",
+              "after": "common.decoding._jpeg_end: one compiled re search per scan",
               "large_jpeg": f"the sample resized to {width}x{height}, +-{args.noise} levels of noise, quality 95",
               "scans_per_image_tensor_path": {"before": 2, "after": 1}, "images": rows}
     text = json.dumps(result, indent=1)

@@ -8,7 +8,7 @@ import torchvision
 from PIL import Image
 
 from backends import classifier, preprocess
-from backends.decoding import DEFAULT_MAX_PIXELS, decode
+from common.decoding import DEFAULT_MAX_PIXELS, decode
 from backends.fused import TritonPythonModel as Fused
 from backends.preprocess import Preprocessor, decode_chunks, preprocessor_for
 from images import cat, encode

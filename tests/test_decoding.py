@@ -1,11 +1,11 @@
-"""backends/decoding.py's JPEG end scan (one C-level search, once per image) and the bounds every model applies."""
+"""common/decoding.py's JPEG end scan (one C-level search, once per image) and the bounds every model applies."""
 import random
 
 import pytest
 from PIL import Image
 
-from backends import decoding
-from backends.decoding import ImageError, _jpeg_end, open_checked, tensor_decodable, tensor_pixels
+from common import decoding
+from common.decoding import ImageError, _jpeg_end, open_checked, tensor_decodable, tensor_pixels
 from images import CAT, cat, encode
 
 

@@ -102,7 +102,7 @@ def test_gpu_onnxruntime_engine_loads_only_with_a_real_cuda_provider(tmp_path, s
 def test_gpu_image_model_isolates_bad_bytes_when_served(tmp_path, small_model, image_model, decode, start_server):
     import torchvision
 
-    from backends.decoding import decode as pil_decode
+    from common.decoding import decode as pil_decode
     from images import CAT, bad_images, good_images
 
     repo = tmp_path / "repo"

@@ -5,7 +5,7 @@ import torch
 import torchvision
 from PIL import Image
 
-from backends.decoding import ImageError, decode
+from common.decoding import ImageError, decode
 from backends.preprocess import Preprocessor
 from images import CAT, bad_images, good_images
 from perf.samples import sample_jpegs
