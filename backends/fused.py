@@ -15,7 +15,7 @@ import torch
 
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from classifier import TritonPythonModel as Classifier
-    from contract import IMAGE
+    from contract import DECODE_DEVICE, IMAGE
     from preprocess import preprocessed, preprocessor_for
     from transforms import transform_from_parameters
     from triton_io import model_parameters
@@ -23,7 +23,7 @@ except ImportError:
     from backends.classifier import TritonPythonModel as Classifier
     from backends.preprocess import preprocessed, preprocessor_for
     from backends.triton_io import model_parameters
-    from common.contract import IMAGE
+    from common.contract import DECODE_DEVICE, IMAGE
     from common.transforms import transform_from_parameters
 
 
@@ -37,7 +37,7 @@ class TritonPythonModel(Classifier):
         super().initialize({**args, "model_config": json.dumps(as_classifier)})
         on_gpu = self.device.type == "cuda"
         workers = int(params.get("decode_workers", "0") or 0) or (4 if on_gpu else 1)
-        tensor_decode = on_gpu and params.get("decode_device", "gpu") == "gpu"
+        tensor_decode = on_gpu and params.get("decode_device", DECODE_DEVICE["fused"]) == "gpu"
         transform = transform_from_parameters(params)
         self.preprocess = preprocessor_for(params, transform, self.device, tensor_decode, workers)
 

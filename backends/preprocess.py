@@ -17,7 +17,7 @@ try:
 except ImportError:  # imported outside Triton, e.g. by tests and perf to run the same preprocessing
     pb_utils = None
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
-    from contract import IMAGE_BYTES
+    from contract import DECODE_DEVICE, IMAGE_BYTES
     from decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
     from transforms import pixels_from_parameters, transform_from_parameters
     from triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
@@ -26,7 +26,7 @@ except ImportError:
     from common.decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
     from backends.triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
                                     honor_faulthandler, instance_device, model_parameters)
-    from common.contract import IMAGE_BYTES
+    from common.contract import DECODE_DEVICE, IMAGE_BYTES
     from common.transforms import pixels_from_parameters, transform_from_parameters
 
 # nvJPEG holds a whole batch's pixels at once (64 x 50 MP x 3 B = 9.6 GB): decode in chunks under this.
@@ -57,7 +57,7 @@ class TritonPythonModel:
                              "TYPE_UINT8": torch.uint8}[output["data_type"]]
         # Built once: the preprocessing build-repo recorded (the weights' own transforms() for torchvision).
         transform = (pixels_from_parameters if self.output_dtype == torch.uint8 else transform_from_parameters)(params)
-        on_device = device.type == "cuda" and params.get("decode_device", "cpu") == "gpu"
+        on_device = device.type == "cuda" and params.get("decode_device", DECODE_DEVICE["ensemble"]) == "gpu"
         self.preprocess = preprocessor_for(params, transform, device, tensor_decode=on_device)
         self.gpu_output = params.get("output_device", "gpu") == "gpu"
 

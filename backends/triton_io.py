@@ -15,15 +15,17 @@ try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton (tests, perf): only the helpers that need no Triton work
     pb_utils = None
-try:  # in Triton: the version folder, which holds a copy of it, is on sys.path
+try:  # in Triton: the version folder, which holds copies of these, is on sys.path
+    from contract import config_parameters
     from messages import first_line  # noqa: F401 - the backends' one home for it
 except ImportError:
+    from common.contract import config_parameters
     from common.messages import first_line  # noqa: F401
 
 
 def model_parameters(config: dict) -> dict[str, str]:
-    """The `parameters` of a model config (as python_backend hands it over, JSON) as plain strings."""
-    return {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+    """The `parameters` of a model config as python_backend hands it over (contract.config_parameters)."""
+    return config_parameters(config)
 
 
 def honor_faulthandler() -> None:

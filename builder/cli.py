@@ -151,9 +151,9 @@ def parser() -> argparse.ArgumentParser:
                         "Default: auto = fused for --kind gpu, ensemble for cpu.")
     p.add_argument("--decode-device", choices=("cpu", "gpu"), default=None,
                    help="where JPEGs are decoded. With the ensemble, gpu (with --kind gpu) runs NAME_preprocess on "
-                        "GPU instances and hands IMAGE over in GPU memory (EXPERIMENTAL: in our one served H100 run "
-                        "its stub died, README, GPU). With fused, cpu decodes with PIL only. Default: gpu for a "
-                        "fused model on GPU, else cpu.")
+                        "GPU instances and hands IMAGE over in GPU memory (EXPERIMENTAL: a GPU tensor handed between "
+                        "stubs is not yet shown to work, README, GPU). With fused, cpu decodes with PIL only. "
+                        "Default: gpu for a fused model on GPU, else cpu.")
     p.add_argument("--num-threads", metavar="N", type=_non_negative, default=0,
                    help="engine threads per CPU instance; 0: the engine's default (openvino: every core, one "
                         "left for Triton from 4 cores on). Default: 0.")

@@ -12,7 +12,7 @@ from builder import config as cfg
 from builder.mar import Archive
 from builder.repository import Options
 from builder.weights import IMAGENET, WEIGHT_CHOICES, Preprocessing, classification_models
-from common.contract import IMAGE, buckets_for
+from common.contract import DECODE_DEVICE, IMAGE, buckets_for
 
 # One rule for every source (torchvision, a weights file, a model file, a .mar) and kind: the served model
 # answers as the same model in eager PyTorch on that device (CPU: fp32; GPU: fp32 with TF32 convolutions,
@@ -146,7 +146,7 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     if args.decode_device == "gpu" and not gpu:
         raise cfg.ConfigError("--decode-device gpu needs --kind gpu")
     image_model = args.image_model if args.image_model != "auto" else ("fused" if gpu else "ensemble")
-    decode_device = args.decode_device or ("gpu" if gpu and image_model == "fused" else "cpu")
+    decode_device = args.decode_device or (DECODE_DEVICE[image_model] if gpu else "cpu")
     graphs = gpu and engine != "onnxruntime" if args.cuda_graphs is None else args.cuda_graphs
     if graphs and engine == "onnxruntime":
         raise cfg.ConfigError("--cuda-graphs needs --engine torch or torchscript")

@@ -8,7 +8,7 @@ import numpy as np
 
 from common.cli import OneLineParser
 
-from common.contract import IMAGE_INPUTS, LOGITS as OUTPUT
+from common.contract import IMAGE_INPUTS, LOGITS as OUTPUT, config_parameters
 from common.messages import first_line
 
 NUMPY_DTYPES = {"fp32": np.float32, "fp16": np.float16, "uint8": np.uint8}
@@ -75,16 +75,12 @@ def check_model(triton, model: str) -> tuple[dict, str]:
     return config, dtype
 
 
-def _parameters(config: dict) -> dict[str, str]:
-    return {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
-
-
 def preprocess_for(config: dict, dtype: str = "fp32"):
     """The exact preprocessing the served model expects, as build-repo recorded it in the config; for
     uint8 only its resize and center crop (the server normalizes those pixels)."""
     from common.transforms import pixels_from_parameters, transform_from_parameters
 
-    params = _parameters(config)
+    params = config_parameters(config)
     if "crop_size" not in params and "preprocess_weights" not in params:
         raise ClientError(f"model {config.get('name')!r} records no preprocessing (crop_size, mean, std, ...); "
                           "was it built by build-repo?")
@@ -127,7 +123,7 @@ def labels_for(config: dict) -> list[str]:
 
     import torchvision
 
-    params = _parameters(config)
+    params = config_parameters(config)
     if params.get("labels"):
         return list(json.loads(params["labels"]))
     return list(torchvision.models.get_weight(params["preprocess_weights"]).meta["categories"])
@@ -137,7 +133,7 @@ def classify(paths: list[Path], url: str, protocol: str, model: str, k: int) -> 
     """The tensor path: preprocessed here as the model's config records, sent as its input takes it."""
     client, triton = connect(url, protocol)
     config, dtype = check_model(triton, model)
-    weights = config.get("parameters", {}).get("weights", {}).get("string_value", "")
+    weights = config_parameters(config).get("weights", "")
     if weights.startswith("random"):
         print(f"WARNING: {model} serves {weights} weights: these labels are meaningless.", file=sys.stderr)
     batch = load_images(paths, preprocess_for(config, dtype), dtype)

@@ -52,6 +52,18 @@ PARAMETERS = {
 }
 
 
+# Where JPEGs are decoded unless the config says (build-repo always writes `decode_device`): the fused model
+# on a GPU instance decodes there (nvJPEG: no tensor crosses processes); the ensemble's preprocess decodes on
+# CPU (its GPU hand-over to the classifier is experimental). On a CPU instance both decode on CPU.
+DECODE_DEVICE = {"fused": "gpu", "ensemble": "cpu"}
+
+
+def config_parameters(config: dict) -> dict[str, str]:
+    """The `parameters` of a model config in Triton's JSON form (python_backend's args, the HTTP/gRPC clients'
+    model config) as plain strings; a parameter without a value (JSON drops empty strings) is ""."""
+    return {key: (value or {}).get("string_value", "") for key, value in config.get("parameters", {}).items()}
+
+
 def buckets_for(max_batch: int) -> list[int]:
     """Powers of two up to max_batch, and max_batch itself: a GPU batch pads to the next bucket."""
     sizes, size = [], 1

@@ -17,7 +17,7 @@ import numpy as np
 
 from common.cli import OneLineParser
 
-from common.contract import IMAGE_INPUTS
+from common.contract import IMAGE_INPUTS, config_parameters
 from perf.stats import STAGES, counters
 
 
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         base = client.get_model_config(args.model, as_json=True)["config"]
         max_batch = int(base["max_batch_size"])
-        params = {k: v.get("string_value", "") for k, v in base["parameters"].items()}  # JSON drops ""
+        params = config_parameters(base)
         best = None
         for item in args.plan:
             if ":" in item:
