@@ -184,13 +184,32 @@ def crashing_request(serve: ServeRepo, model: str) -> dict:
     return {"request_bytes": len(CRASHING_BODY)}
 
 
+def kill_preprocess_stub(serve: ServeRepo, model: str) -> dict:
+    return kill_stub(serve, f"{model}_preprocess")
+
+
+def kill_tritonserver(serve: ServeRepo, model: str) -> dict:
+    os.kill(serve.triton_pid, signal.SIGKILL)
+    return {}
+
+
+def terminate_serve_repo(serve: ServeRepo, model: str) -> dict:
+    serve.process.send_signal(signal.SIGTERM)
+    return {}
+
+
+def kill_serve_repo(serve: ServeRepo, model: str) -> dict:
+    serve.process.kill()
+    return {}
+
+
 FAULTS = {  # name: (fault, whether serving comes back: after a stop nothing does, by design)
     "stub_killed": (kill_stub, True),
-    "preprocess_stub_killed": (lambda serve, model: kill_stub(serve, f"{model}_preprocess"), True),
-    "tritonserver_killed": (lambda serve, model: os.kill(serve.triton_pid, signal.SIGKILL) or {}, True),
+    "preprocess_stub_killed": (kill_preprocess_stub, True),
+    "tritonserver_killed": (kill_tritonserver, True),
     "crashing_json_request": (crashing_request, True),
-    "sigterm": (lambda serve, model: serve.process.send_signal(signal.SIGTERM) or {}, False),
-    "kill_9_serve_repo": (lambda serve, model: serve.process.kill() or {}, False),
+    "sigterm": (terminate_serve_repo, False),
+    "kill_9_serve_repo": (kill_serve_repo, False),
 }
 
 

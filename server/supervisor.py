@@ -1,18 +1,12 @@
 """Watch a running tritonserver: restart it when it dies, replace the instances of a model whose stub died.
 
-Triton 2.51 does neither by itself (measured): a killed python-backend stub leaves its model READY
-while every request fails with "Stub process ... is not healthy", and a repository `load` of the
-unchanged model is a no-op. `unload` + `load` serves again, but with a request in flight when the stub
-died the unload never finishes (python_backend 24.10 leaks that batch's response factories, each holding
-the model), so the model's stubs, threads and shared memory stay behind. What works, measured under
-traffic: a `load` whose config differs from the served one only in the dead instance's group signature.
-Triton then updates the instance groups of the loaded model: it keeps the other instances, starts a new
-one beside them and drops the dead one; the model is never unloaded and the others keep answering.
-That holds only while Triton sees the model's version folder unmodified since its load: stubs writing
-__pycache__ there at the first load made every later load a whole new copy of the model, all instances
-new and the old copy never freed when a batch was in flight (build-repo now writes the bytecode itself).
-As a bound where that still happens (a repository built otherwise): past `max_unfreed` dead stubs left
-unreaped (instances Triton never freed), tritonserver is restarted (drained) to give their memory back.
+Why replacing in place: Triton 2.51 keeps a model READY when one of its python stubs dies and routes batches
+to the dead instance, which fail; a `load` of the unchanged model does nothing, and an `unload` never ends
+when a batch was in flight (python_backend 24.10 keeps that batch's response factories, which hold the
+model). A `load` whose config differs only in the dead instance's group signature makes Triton replace that
+group's instances while the others keep answering. That holds while the version folder is unmodified since
+its load (a modified one loads as a whole new copy), hence the bytecode is written before the first load;
+where dead copies are never freed anyway, past `max_unfreed` of them tritonserver is restarted, drained.
 """
 from __future__ import annotations
 
