@@ -12,7 +12,7 @@ from builder import config as cfg
 from builder.mar import Archive
 from builder.repository import Options
 from builder.weights import IMAGENET, WEIGHT_CHOICES, Preprocessing, classification_models
-from common.contract import DECODE_DEVICE, IMAGE, buckets_for
+from common.contract import DECODE_DEVICE, IMAGE, buckets_for, parse_buckets
 
 # One rule for every source (torchvision, a weights file, a model file, a .mar) and kind: the served model
 # answers as the same model in eager PyTorch on that device (CPU: fp32; GPU: fp32 with TF32 convolutions,
@@ -136,7 +136,7 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     if args.batch_buckets:
         if max(args.batch_buckets) > max(max_batch, 1):
             raise cfg.ConfigError(f"--batch-buckets {max(args.batch_buckets)} exceeds `max_batch_size` {max_batch}")
-        buckets = tuple(sorted(set(args.batch_buckets) | {max(max_batch, 1)}))
+        buckets = tuple(parse_buckets(",".join(map(str, args.batch_buckets)), max(max_batch, 1)))
     preferred = args.preferred_batch_size
     if preferred is None:
         preferred = list(buckets) if gpu and max_batch else []
