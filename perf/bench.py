@@ -27,7 +27,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--url", help="a running server in explicit model-control mode. "
                                  "Default: build a repository and start serve-repo.")
     p.add_argument("--model", default=None, help="model to bench. Default: resnet152 (resnet18 with --quick).")
-    p.add_argument("--weights", default="auto", help="weights when building. Default: auto.")
+    p.add_argument("--weights", default="random",
+                   help="weights when building (speed does not depend on their values; auto: the pretrained ones, "
+                        "which build-repo cannot get offline). Default: random.")
     p.add_argument("--repository", type=Path, default=None,
                    help="with --url: the served repository, to run the same engine in-process. "
                         "Default: a temporary one the bench builds.")
