@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.start(args.timeout, abort=stop)
     except ServerError as exc:
+        _print_kept_logs(server)
         print(f"serve-repo: error: {exc}", file=sys.stderr)
         server.stop()
         return 1 if not stop.is_set() else 130
+    _print_kept_logs(server)
     for name, why in server.skipped.items():
         print(f"skipped {name}: {why}", flush=True)
     print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
@@ -78,6 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     server.stop()
     print("tritonserver stopped", flush=True)
     return 0
+
+
+def _print_kept_logs(server: TritonServer) -> None:
+    for entry in server.cleaned:
+        if entry.startswith("kept log "):
+            print(f"serve-repo: the log of a dead earlier run is {entry[len('kept log '):]}", flush=True)
 
 
 if __name__ == "__main__":

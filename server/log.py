@@ -21,18 +21,51 @@ class TritonLog:
     def __init__(self, path: Path | None = None, keep: int = 400):
         self.path = path
         self._tail: collections.deque[str] = collections.deque(maxlen=keep)
+        self.write_error: str | None = None  # why the file stopped being written, if it did
 
     def clear(self) -> None:
         self._tail.clear()
 
     def pump(self, process: subprocess.Popen) -> None:
-        """Copy the process's output into the file and the tail until it ends (run in a thread)."""
-        with open(self.path, "a", encoding="utf-8", errors="replace") as log:
+        """Copy the process's output into the file and the tail until it ends (run in a thread). Whatever
+        happens to the file (disk full, folder removed), the pipe is drained to the end: tritonserver blocks
+        on its next log line once the pipe is full, alive and never restarted. A write that fails is said
+        once, in the tail; the tail goes on."""
+        log = self._open()
+        try:
             for raw in process.stdout:
                 line = raw.decode("utf-8", "replace").rstrip()
                 self._tail.append(line)
-                log.write(line + "\n")
-                log.flush()
+                if log is None:
+                    continue
+                try:
+                    log.write(line + "\n")
+                    log.flush()
+                except (OSError, ValueError) as exc:
+                    self._failed(exc)
+                    log = self._close(log)
+        finally:
+            self._close(log)
+
+    def _open(self):
+        try:
+            return open(self.path, "a", encoding="utf-8", errors="replace")
+        except (OSError, TypeError) as exc:  # TypeError: no path
+            self._failed(exc)
+            return None
+
+    def _close(self, log) -> None:
+        if log is not None:
+            try:
+                log.close()
+            except OSError:
+                pass
+        return None
+
+    def _failed(self, exc: BaseException) -> None:
+        self.write_error = f"{type(exc).__name__}: {exc}"
+        self._tail.append(f"serve-repo: cannot write tritonserver's log {self.path} ({self.write_error}); "
+                          "its last lines are kept in memory only")
 
     def crash_lines(self) -> str:
         """A crash's last words (deduplicated), or the empty string."""

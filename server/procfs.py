@@ -1,7 +1,6 @@
 """tritonserver's processes as /proc shows them: its python-backend stubs, and what killed runs left behind."""
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
@@ -18,6 +17,8 @@ SHM_PREFIX = "tcls"
 _OWNED = re.compile(r"^(?:triton-serve-|tcls)(\d+)[-_]")
 _STUB_OWNER = re.compile(r"/triton-serve-(\d+)-[^/]*/backends/")
 _PR_SET_PDEATHSIG = 1
+KEPT_LOG_FOLDER = "triton-serve-logs"  # no pid in the name: the stale sweep leaves it alone
+KEPT_LOGS, KEPT_LOG_BYTES = 10, 8 << 20
 
 
 def remove_stale(tmp: Path | None = None, shm: Path = Path("/dev/shm")) -> list[str]:
@@ -43,6 +44,10 @@ def remove_stale(tmp: Path | None = None, shm: Path = Path("/dev/shm")) -> list[
             owner = _OWNED.match(entry.name)
             if not owner or pid_alive(int(owner.group(1))):
                 continue
+            if is_dir and entry.is_dir():
+                kept = keep_log(entry)
+                if kept is not None:
+                    removed.append(f"kept log {kept}")
             try:
                 shutil.rmtree(entry) if is_dir and entry.is_dir() else entry.unlink()
                 removed.append(str(entry))
@@ -51,12 +56,42 @@ def remove_stale(tmp: Path | None = None, shm: Path = Path("/dev/shm")) -> list[
     return removed
 
 
-def die_with_parent(parent: int) -> None:
-    """In the child before exec: the kernel kills it when the process that started it ends, even by kill -9."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
+def keep_log(workdir: Path, keep: int = KEPT_LOGS, limit: int = KEPT_LOG_BYTES) -> Path | None:
+    """A dead run's tritonserver.log, moved to <tmp>/triton-serve-logs/ before its work folder is removed: the
+    evidence of a crash outlives the next start. The newest `keep` are kept, each its last `limit` bytes."""
+    log = workdir / "tritonserver.log"
+    try:
+        if not log.is_file() or log.stat().st_size == 0:
+            return None
+        folder = workdir.parent / KEPT_LOG_FOLDER
+        folder.mkdir(exist_ok=True)
+        target = folder / f"{workdir.name}.log"
+        with open(log, "rb") as source:
+            source.seek(max(0, log.stat().st_size - limit))
+            target.write_bytes(source.read())
+        for old in sorted(folder.glob("*.log"), key=lambda p: p.stat().st_mtime)[:-keep]:
+            old.unlink(missing_ok=True)
+        return target
+    except OSError:
+        return None
+
+
+# tritonserver is started through this: it sets the parent-death signal in the new process, after exec, where
+# no thread of ours exists (subprocess's preexec_fn runs between fork and exec in a copy of a threaded process,
+# which CPython documents as deadlock-prone), checks its parent is still the one that started it, then execs
+# tritonserver in place (the same pid).
+DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                   f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL)\n"
+                   "if os.getppid() != int(sys.argv[1]):\n"
+                   "    os._exit(1)\n"
+                   "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def with_parent_death(command: list[str], parent: int) -> list[str]:
+    """`command`, started so that the kernel kills it when `parent` ends, even by kill -9."""
+    import sys
+
+    return [sys.executable, "-c", DIE_WITH_PARENT, str(parent), *command]
 
 
 class Stub:

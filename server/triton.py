@@ -19,7 +19,7 @@ from pathlib import Path
 from common.procs import free_port, port_free
 from server.errors import ServerError
 from server.log import TritonLog
-from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, die_with_parent, remove_stale, stubs_of
+from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, remove_stale, stubs_of, with_parent_death
 from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models
 from server.wheel import make_backend_dir, pytriton_root
 
@@ -51,6 +51,7 @@ class TritonServer:
         self.skipped: dict[str, str] = {}
         self.loaded: list[str] = []
         self.served_files: dict[str, tuple] = {}  # model -> fingerprint of the folder Triton loaded
+        self.cleaned: list[str] = []  # what the first start removed (or kept: "kept log PATH") of dead runs
         # In Triton's "none" mode the repository API is closed to clients; we keep a key for ourselves
         # (the supervisor reloads a model whose stub died).
         self.admin_key = secrets.token_hex(16) if model_control == "none" else None
@@ -114,7 +115,7 @@ class TritonServer:
             if not port_free(self.host, port):
                 raise ServerError(f"{api} port {port} on {self.host} is busy; choose another with --{api}-port")
         if self._workdir is None:
-            remove_stale()
+            self.cleaned = remove_stale()
             self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
             if self._own_log:
                 self.log.path = self._workdir / "tritonserver.log"
@@ -125,10 +126,8 @@ class TritonServer:
         self.log.clear()
         self.returncode = None
         compile_bytecode(self.repository)  # for the stub's interpreter, before Triton sees the files
-        parent = os.getpid()
-        self._process = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True,
-                                         preexec_fn=lambda: die_with_parent(parent))
+        self._process = subprocess.Popen(with_parent_death(self.command(), os.getpid()), stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.served_files = {name: fingerprint(self.repository / name) for name in self.loaded}
         self._pump_thread = threading.Thread(target=self.log.pump, args=(self._process,), daemon=True)
         self._pump_thread.start()

@@ -1,0 +1,79 @@
+"""serve-repo's own plumbing: the log pipe never blocks tritonserver, a dead run's log outlives the next start,
+tritonserver dies with serve-repo without a preexec_fn."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from server.log import TritonLog
+from server.procfs import KEPT_LOG_FOLDER, remove_stale, with_parent_death
+
+TALKER = "import sys\nfor i in range(200000): print('line', i)\n"  # ~2.5 MB: far more than a pipe holds
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_log_pump_drains_the_pipe_to_the_end_when_the_log_file_cannot_be_written():
+    process = subprocess.Popen([sys.executable, "-c", TALKER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = TritonLog(Path("/dev/full"))  # every write fails: ENOSPC, as on a full disk
+    pump = threading.Thread(target=log.pump, args=(process,), daemon=True)
+    pump.start()
+    assert process.wait(timeout=60) == 0, "the talker blocked on a full pipe"
+    pump.join(30)
+    assert not pump.is_alive()
+    assert log.write_error and "No space left" in log.write_error
+    assert log.last_words().endswith("line 199999)") or "line 199999" in " ".join(log._tail)
+
+
+def test_dead_runs_log_is_kept_and_bounded_when_the_next_start_cleans_up(tmp_path):
+    for index in range(12):
+        folder = tmp_path / f"triton-serve-{_dead_pid()}-x{index}"
+        folder.mkdir()
+        (folder / "tritonserver.log").write_text(f"run {index}: Signal (6) received\n")
+        os.utime(folder / "tritonserver.log", (index, index))
+        removed = remove_stale(tmp_path, shm=tmp_path / "no-shm")
+        assert not folder.exists()
+        kept = [entry[len("kept log "):] for entry in removed if entry.startswith("kept log ")]
+        assert kept and Path(kept[0]).read_text() == f"run {index}: Signal (6) received\n"
+    logs = sorted((tmp_path / KEPT_LOG_FOLDER).glob("*.log"))
+    assert len(logs) == 10  # bounded: the newest ten
+    assert remove_stale(tmp_path, shm=tmp_path / "no-shm") == []  # the kept logs are not a dead run's folder
+
+
+def test_started_command_dies_with_its_parent_and_keeps_its_pid_when_the_parent_is_killed():
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import os, subprocess, sys, time\n"
+        "from server.procfs import with_parent_death\n"
+        "child = subprocess.Popen(with_parent_death(['/bin/sleep', '300'], os.getpid()))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n")], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    pid = int(parent.stdout.readline())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/bin/sleep"):
+        time.sleep(0.05)
+    assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/bin/sleep"), "not exec'd in place"
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists() and \
+            "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_tritonserver_is_started_without_a_preexec_fn():
+    import inspect
+
+    from server import triton
+
+    assert "preexec_fn" not in inspect.getsource(triton.TritonServer.start)
+    assert with_parent_death(["tritonserver"], 1)[:2] == [sys.executable, "-c"]
