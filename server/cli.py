@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         server.start(args.timeout, abort=stop)
     except ServerError as exc:
         _print_kept_logs(server)
-        print(f"serve-repo: error: {exc}", file=sys.stderr)
-        server.stop()
+        server.stop(keep_log=not stop.is_set())
+        print(f"serve-repo: error: {exc}{_log_of(server)}", file=sys.stderr)
         return 1 if not stop.is_set() else 130
     _print_kept_logs(server)
     for name, why in server.skipped.items():
@@ -73,13 +73,18 @@ def main(argv: list[str] | None = None) -> int:
                             log=lambda line: print(line, flush=True), max_unfreed=args.max_unfreed_instances)
     status = supervisor.run(stop)
     if status:
-        server.stop()
-        print(f"serve-repo: error: {supervisor.failure}; log {server.log_file}", file=sys.stderr)
+        server.stop(keep_log=True)
+        print(f"serve-repo: error: {supervisor.failure}{_log_of(server)}", file=sys.stderr)
         return 1
     print(f"stopping: draining in-flight requests for up to {args.drain_seconds:g}s", flush=True)
     server.stop()
     print("tritonserver stopped", flush=True)
     return 0
+
+
+def _log_of(server: TritonServer) -> str:
+    """'; log PATH' where tritonserver's log of this run is kept, or nothing (it never started)."""
+    return f"; log {server.log_file}" if server.log_file and server.log_file.is_file() else ""
 
 
 def _print_kept_logs(server: TritonServer) -> None:

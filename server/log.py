@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 # Triton logs: failed to load 'resnet18' version 1: Internal: KeyError: ...\n\nAt: ...
@@ -64,8 +65,11 @@ class TritonLog:
 
     def _failed(self, exc: BaseException) -> None:
         self.write_error = f"{type(exc).__name__}: {exc}"
-        self._tail.append(f"serve-repo: cannot write tritonserver's log {self.path} ({self.write_error}); "
-                          "its last lines are kept in memory only")
+        said = (f"serve-repo: cannot write tritonserver's log {self.path} ({self.write_error}); "
+                f"its last {self._tail.maxlen} lines are kept in memory only")
+        self._tail.append(said)
+        # Also on our stderr: the line in the tail scrolls out of it, and the file is what a user reads.
+        print(said, file=sys.stderr, flush=True)
 
     def crash_lines(self) -> str:
         """A crash's last words (deduplicated), or the empty string."""

@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 from common.procs import pid_alive
@@ -65,7 +66,8 @@ def keep_log(workdir: Path, keep: int = KEPT_LOGS, limit: int = KEPT_LOG_BYTES) 
             return None
         folder = workdir.parent / KEPT_LOG_FOLDER
         folder.mkdir(exist_ok=True)
-        target = folder / f"{workdir.name}.log"
+        ended = time.strftime("%Y%m%dT%H%M%S", time.localtime(log.stat().st_mtime))  # the run's last line
+        target = folder / f"{workdir.name}-{ended}.log"  # triton-serve-<dead pid>-<random>-<time>.log
         with open(log, "rb") as source:
             source.seek(max(0, log.stat().st_size - limit))
             target.write_bytes(source.read())
@@ -81,14 +83,16 @@ def keep_log(workdir: Path, keep: int = KEPT_LOGS, limit: int = KEPT_LOG_BYTES) 
 # which CPython documents as deadlock-prone), checks its parent is still the one that started it, then execs
 # tritonserver in place (the same pid).
 DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
-                   f"ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL)\n"
+                   f"if ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL):\n"
+                   "    sys.exit('serve-repo: prctl(PR_SET_PDEATHSIG): ' + os.strerror(ctypes.get_errno()))\n"
                    "if os.getppid() != int(sys.argv[1]):\n"
                    "    os._exit(1)\n"
                    "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
 def with_parent_death(command: list[str], parent: int) -> list[str]:
-    """`command`, started so that the kernel kills it when `parent` ends, even by kill -9."""
+    """`command`, started so that the kernel kills it when `parent` ends, even by kill -9. The kernel's parent is
+    the thread that calls Popen: start it from one that lives as long as the server (serve-repo's main thread)."""
     import sys
 
     return [sys.executable, "-c", DIE_WITH_PARENT, str(parent), *command]

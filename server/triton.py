@@ -145,7 +145,7 @@ class TritonServer:
             elif abort.wait(0.2):
                 self.stop()
                 raise ServerError("stopped while starting")
-        self.stop()
+        self.stop(keep_log=True)  # Triton drains and exits 0 on our SIGTERM: its log is still a failure's
         raise ServerError(f"tritonserver not ready after {timeout:.0f}s: {self.reason()}")
 
     def restart(self, timeout: float = 600, abort: threading.Event | None = None) -> "TritonServer":
@@ -231,9 +231,10 @@ class TritonServer:
     def last_words(self) -> str:
         return self.log.last_words()
 
-    def stop(self, timeout: float | None = None) -> int | None:
+    def stop(self, timeout: float | None = None, keep_log: bool = False) -> int | None:
         """Stop: Triton refuses new work and finishes what it holds for up to drain_seconds
-        (--exit-timeout-secs); whatever is left after that (a stuck stub) is killed. Then cleanup."""
+        (--exit-timeout-secs); whatever is left after that (a stuck stub) is killed. Then cleanup, which
+        keeps our temporary log when the run failed: `keep_log`, or tritonserver's own exit was not 0."""
         process = self._process
         if process is not None:
             if process.poll() is None:
@@ -244,8 +245,9 @@ class TritonServer:
                     pass
             self._reap()
         if self._workdir is not None:
-            # Keep our temporary log only when something went wrong.
-            clean = self.returncode in (0, None) and self._own_log
+            # A tritonserver that someone else SIGTERMed exits 0 like one we stopped: only the caller knows
+            # that the run failed (serve-repo gave up), and its message names this log.
+            clean = not keep_log and self.returncode in (0, None) and self._own_log
             shutil.rmtree(self._workdir if clean else self._workdir / "backends", ignore_errors=True)
             self._workdir = None
         return self.returncode

@@ -3,6 +3,7 @@ tritonserver dies with serve-repo without a preexec_fn."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from drills.serve import ServeRepo
+from server import triton
 from server.log import TritonLog
 from server.procfs import KEPT_LOG_FOLDER, remove_stale, with_parent_death
 
@@ -22,7 +27,7 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def test_log_pump_drains_the_pipe_to_the_end_when_the_log_file_cannot_be_written():
+def test_log_pump_drains_the_pipe_to_the_end_when_the_log_file_cannot_be_written(capsys):
     process = subprocess.Popen([sys.executable, "-c", TALKER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     log = TritonLog(Path("/dev/full"))  # every write fails: ENOSPC, as on a full disk
     pump = threading.Thread(target=log.pump, args=(process,), daemon=True)
@@ -31,7 +36,9 @@ def test_log_pump_drains_the_pipe_to_the_end_when_the_log_file_cannot_be_written
     pump.join(30)
     assert not pump.is_alive()
     assert log.write_error and "No space left" in log.write_error
-    assert log.last_words().endswith("line 199999)") or "line 199999" in " ".join(log._tail)
+    tail = list(log._tail)
+    assert tail[-1] == "line 199999"  # the tail went on to the end
+    assert capsys.readouterr().err.count("cannot write tritonserver's log /dev/full") == 1  # said once
 
 
 def test_dead_runs_log_is_kept_and_bounded_when_the_next_start_cleans_up(tmp_path):
@@ -44,6 +51,8 @@ def test_dead_runs_log_is_kept_and_bounded_when_the_next_start_cleans_up(tmp_pat
         assert not folder.exists()
         kept = [entry[len("kept log "):] for entry in removed if entry.startswith("kept log ")]
         assert kept and Path(kept[0]).read_text() == f"run {index}: Signal (6) received\n"
+        ended = time.strftime("%Y%m%dT%H%M%S", time.localtime(index))  # when its last line was written
+        assert Path(kept[0]).name == f"{folder.name}-{ended}.log"  # and the dead pid, in the folder's name
     logs = sorted((tmp_path / KEPT_LOG_FOLDER).glob("*.log"))
     assert len(logs) == 10  # bounded: the newest ten
     assert remove_stale(tmp_path, shm=tmp_path / "no-shm") == []  # the kept logs are not a dead run's folder
@@ -70,10 +79,47 @@ def test_started_command_dies_with_its_parent_and_keeps_its_pid_when_the_parent_
     assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
-def test_tritonserver_is_started_without_a_preexec_fn():
-    import inspect
+def test_tritonserver_is_started_without_a_preexec_fn_when_serve_repo_starts_it(tmp_path, monkeypatch):
+    """preexec_fn runs between fork and exec in a copy of a threaded process (deadlock-prone): the parent-death
+    signal is set by the exec wrapper instead, which execs tritonserver in place."""
+    popen, seen = subprocess.Popen, {}
 
-    from server import triton
+    class NotStarted(Exception):
+        pass
 
-    assert "preexec_fn" not in inspect.getsource(triton.TritonServer.start)
-    assert with_parent_death(["tritonserver"], 1)[:2] == [sys.executable, "-c"]
+    def record(args, **kwargs):
+        if not any(str(arg).endswith("/tritonserver") for arg in args):
+            return popen(args, **kwargs)
+        seen.update(kwargs, args=list(args))
+        raise NotStarted
+
+    monkeypatch.setattr(triton.subprocess, "Popen", record)
+    (tmp_path / "repo").mkdir()
+    server = triton.TritonServer.local(tmp_path / "repo")
+    try:
+        with pytest.raises(NotStarted):
+            server.start(timeout=5)
+        command = server.command()
+    finally:
+        server.stop()
+    assert seen.get("preexec_fn") is None
+    assert seen["start_new_session"] is True
+    assert seen["args"] == with_parent_death(command, os.getpid())
+    assert seen["args"][:2] == [sys.executable, "-c"] and seen["args"][4:] == command
+
+
+def test_serve_repo_keeps_the_log_it_names_when_it_gives_up_after_tritonserver_exited_0(tmp_path):
+    """A tritonserver SIGTERMed by someone else drains and exits 0, like one serve-repo stopped; serve-repo's
+    own stop used to remove the log its error message names."""
+    (tmp_path / "repo").mkdir()  # an empty repository: tritonserver is ready in about a second
+    serve = ServeRepo(tmp_path / "repo", "--max-restarts", "0", timeout=120)
+    try:
+        os.kill(serve.triton_pid, signal.SIGTERM)
+        assert serve.process.wait(60) == 1
+        line = serve.wait_for("died again; log", 10)
+    finally:
+        serve.stop()
+    assert "exit status 0" in line and "; log " in line
+    log = Path(line.rsplit("; log ", 1)[1])
+    assert log.is_file() and "Signal (15) received" in log.read_text()
+    shutil.rmtree(log.parent)
