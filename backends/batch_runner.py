@@ -7,7 +7,12 @@ from __future__ import annotations
 
 import torch
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+try:  # in Triton: the version folder, which holds a copy of common/precision.py, is on sys.path
+    from precision import TORCH_DTYPES, check
+except ImportError:
+    from common.precision import TORCH_DTYPES, check
+
+PRECISIONS = {name: getattr(torch, dtype) for name, dtype in TORCH_DTYPES.items()}  # the torch dtype of each
 
 
 class BatchRunner:
@@ -27,13 +32,11 @@ class BatchRunner:
     def __init__(self, engine, device: torch.device, sample_shape: tuple[int, ...], precision: str = "fp32",
                  cuda_graphs: bool = False, buckets: list[int] | None = None, channels_last: bool = True,
                  graph_ok: bool = True, mean_std: tuple[list[float], list[float]] | None = None):
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.gpu = device.type == "cuda"
+        # The runner casts rows for the graph engines (torch, torchscript); the others take fp32 rows.
+        check(precision, "torch", "gpu" if self.gpu else "cpu")
         self.engine, self.device, self.sample_shape = engine, device, tuple(sample_shape)
         self.dtype = PRECISIONS[precision]
-        self.gpu = device.type == "cuda"
-        if not self.gpu and precision == "fp16":
-            raise ValueError("precision fp16 needs a GPU instance; CPU instances run fp32 or bf16")
         self.memory_format = torch.channels_last if channels_last and len(sample_shape) == 3 else torch.contiguous_format
         self.buckets = sorted(buckets or []) if self.gpu else []
         self.cuda_graphs = bool(cuda_graphs and self.gpu and graph_ok)

@@ -1,7 +1,7 @@
 """Triton Python backend for a torchvision classifier: one batched forward pass per execute() call.
 
 build-repo copies this file to <repository>/<model>/1/model.py and its helpers beside it
-(batch_runner, engines, triton_io, and common/contract.py, common/model_code.py).
+(batch_runner, engines, triton_io, and common/contract.py, model_code.py, precision.py).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from batch_runner import PRECISIONS, BatchRunner
     from contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
     from engines import cpu_bf16, cpu_threads, load_engine
+    from precision import check, check_native, served
     from triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
                            instance_device, model_parameters)
 except ImportError:
@@ -25,6 +26,7 @@ except ImportError:
     from backends.triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
                                     instance_device, model_parameters)
     from common.contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
+    from common.precision import check, check_native, served
 
 DTYPES = {"FP32": torch.float32, "FP16": torch.float16, "UINT8": torch.uint8}  # Triton's names -> torch
 
@@ -131,20 +133,16 @@ def build_runner(version_dir: Path, params: dict, device: torch.device, max_batc
                  sample_shape: tuple[int, ...], threads: int = 0) -> BatchRunner:
     """The engine the config names, wrapped in the batch runner with the config's speed options."""
     engine_name = params.get("engine", "torch")
-    precision = params.get("precision", "fp32")
-    if precision == "auto" and engine_name != "openvino":
-        precision = "fp32"  # auto: the engine's own choice, which is fp32 for every engine but OpenVINO
+    precision = served(params.get("precision", "fp32"), engine_name)
+    check(precision, engine_name, "gpu" if device.type == "cuda" else "cpu")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = params.get("cudnn_benchmark", "1") == "1"
     # channels_last lets cuDNN / oneDNN pick their fastest convolution kernels (~15% on CPU, tensor-core
     # layouts on GPU); onnxruntime and OpenVINO want plain NCHW and pick their own layouts.
     graph_engine = engine_name not in ("onnxruntime", "openvino")
     channels_last = graph_engine
-    if engine_name == "onnxruntime" and precision != "fp32":
-        raise RuntimeError(f"engine onnxruntime runs the fp32 export; precision {precision} needs engine torch")
-    if precision == "bf16" and device.type == "cpu" and graph_engine and not cpu_bf16():
-        raise RuntimeError(f"precision bf16 needs a CPU with AMX or AVX512-BF16 (elsewhere it is emulated, "
-                           f"slower than fp32): serve this model with precision fp32 or engine openvino")
+    if device.type == "cpu" and graph_engine:  # OpenVINO checks its own CPU support as it compiles
+        check_native(precision, cpu_bf16())
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
     engine = load_engine(version_dir, params, device, memory_format, threads)
     if precision != "fp32" and isinstance(engine, torch.nn.Module):

@@ -17,17 +17,16 @@ try:  # in Triton: the version folder, which holds copies of these, is on sys.pa
     from cpu import cpu_bf16, cpuinfo  # noqa: F401 - cpuinfo: perf reads the CPU as the backend does
     from messages import first_line
     from model_code import import_model_class
+    from precision import OPENVINO_HINTS, OPENVINO_RESOLVED, check, check_native
 except ImportError:
     from common.contract import IMAGE, LOGITS
     from common.cpu import cpu_bf16, cpuinfo  # noqa: F401
     from common.messages import first_line
     from common.model_code import import_model_class
+    from common.precision import OPENVINO_HINTS, OPENVINO_RESOLVED, check, check_native
 
 ENGINE_FILES = {"torch": "weights.pt", "torchscript": "model.pt", "onnxruntime": "model.onnx", "openvino": "model.onnx"}
-# OpenVINO's names for the precisions build-repo records; "auto" leaves the choice to OpenVINO (bf16 where
-# the CPU has AMX or AVX512-BF16, f32 elsewhere).
-# int8: the QDQ model build-repo quantized (model_int8.onnx); its other layers run in OpenVINO's choice.
-OPENVINO_PRECISIONS = {"auto": None, "fp32": "f32", "bf16": "bf16", "int8": None}
+# int8: the QDQ model build-repo quantized; its other layers run in OpenVINO's choice.
 INT8_FILE = "model_int8.onnx"
 
 
@@ -108,26 +107,21 @@ class OpenVino:
     def __init__(self, path: Path, threads: int = 0, precision: str = "auto"):
         import openvino as ov
 
-        if precision not in OPENVINO_PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not one OpenVINO runs here: "
-                             f"choose {', '.join(OPENVINO_PRECISIONS)}")
+        check(precision, "openvino", "cpu")
         core = ov.Core()
-        capabilities = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-        if precision == "bf16" and "BF16" not in capabilities:
-            raise ValueError(f"precision bf16 needs a CPU with AMX or AVX512-BF16; this one offers "
-                             f"{', '.join(capabilities)}: use precision auto or fp32")
+        check_native(precision, "BF16" in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
         # One stream: Triton's dynamic batcher already hands over whole batches, one at a time per
         # instance; more streams would split the cores between batches that never come.
         config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1",
                   "INFERENCE_NUM_THREADS": str(threads or default_threads())}
-        if OPENVINO_PRECISIONS[precision]:
-            config["INFERENCE_PRECISION_HINT"] = OPENVINO_PRECISIONS[precision]
+        if OPENVINO_HINTS[precision]:
+            config["INFERENCE_PRECISION_HINT"] = OPENVINO_HINTS[precision]
         self.compiled = core.compile_model(str(path), "CPU", config)
         self.request = self.compiled.create_infer_request()
         self.output = self.compiled.output(0)
         resolved = self.compiled.get_property("INFERENCE_PRECISION_HINT")
         self.precision = "int8" if precision == "int8" else \
-            {"bf16": "bf16", "f32": "fp32", "f16": "fp16"}.get(str(resolved.get_type_name()), str(resolved))
+            OPENVINO_RESOLVED.get(str(resolved.get_type_name()), str(resolved))
         self.threads = int(self.compiled.get_property("INFERENCE_NUM_THREADS"))
 
     def __call__(self, batch: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from builder import mar, sources
 from builder.plan import check_source, make_plan, precision_note
 from builder.repository import ENGINES, BuildError, build, check_free, check_writable
 from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
+from common import precision as precisions
 from common.cli import OneLineParser
 from common.contract import IMAGE_INPUTS
 
@@ -122,13 +123,13 @@ def parser() -> argparse.ArgumentParser:
                    help=f"model instances (stub processes). Default: {cpu.instances} (cpu), {gpu.instances} (gpu).")
     p.add_argument("--kind", choices=("auto", "cpu", "gpu"), default="auto",
                    help="instance kind; auto: gpu if torch sees CUDA here, else cpu. Default: auto.")
-    p.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"), default=None,
+    p.add_argument("--precision", choices=precisions.CHOICES, default=None,
                    help="numbers the model computes in. The default, for every source, answers as the same model "
                         "in eager PyTorch: fp32 (on GPU with TF32 convolutions, as PyTorch does there). Faster, "
-                        "asked for: CPU engine openvino: auto (OpenVINO's choice on the CPU that serves: bf16 with "
-                        "AMX or AVX512-BF16, logits within ~1e-2 of their range; fp32 elsewhere), bf16, int8 (the "
-                        "ONNX export quantized on --calibration DIR and checked against fp32 on those images); GPU "
-                        "engines torch/torchscript: fp16, bf16; engine torch on CPU: bf16. Default: fp32.")
+                        "asked for: auto (OpenVINO's choice on the CPU that serves: bf16 with AMX or AVX512-BF16, "
+                        "logits within ~1e-2 of their range; fp32 elsewhere), bf16, fp16, int8 (the ONNX export "
+                        "quantized on --calibration DIR and checked against fp32 on those images). Which engine "
+                        f"runs which: {precisions.summary()}. Default: {precisions.DEFAULT}.")
     p.add_argument("--input-dtype", choices=tuple(IMAGE_INPUTS), default="fp32",
                    help="NAME's one image input, which NAME_preprocess also hands it in the ensemble. fp32: IMAGE, "
                         "normalized; fp16: IMAGE_FP16, normalized, half the bytes; uint8: IMAGE_UINT8, the resized "

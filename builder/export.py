@@ -8,11 +8,12 @@ import numpy as np
 import torch
 
 from common.contract import IMAGE as INPUT, LOGITS as OUTPUT
+from common.precision import OPENVINO_HINTS, TOLERANCE as TOLERANCES
 # The LibTorch backend binds inputs by forward() argument name, outputs by `<name>__<index>`.
 TORCHSCRIPT_OUTPUT = f"{OUTPUT}__0"
 ONNX_OPSET = 17
-TOLERANCE = 1e-4
-BF16_TOLERANCE = 3e-2
+TOLERANCE = TOLERANCES["fp32"]
+BF16_TOLERANCE = TOLERANCES["bf16"]
 
 
 class ExportError(RuntimeError):
@@ -59,7 +60,7 @@ def run_openvino(path: Path, batch: np.ndarray, precision: str = "auto") -> np.n
     own choice for this CPU; fp32 and bf16: asked for, as backends/engines.py asks)."""
     import openvino as ov
 
-    hint = {"fp32": "f32", "bf16": "bf16"}.get(precision)
+    hint = OPENVINO_HINTS.get(precision)
     compiled = ov.Core().compile_model(str(path), "CPU", {"INFERENCE_PRECISION_HINT": hint} if hint else {})
     return compiled([batch])[compiled.output(0)]
 
@@ -99,11 +100,10 @@ def verify(model: torch.nn.Module, artifacts: dict[str, Path], side: int, batch_
 
 
 def tolerance(name: str) -> float:
-    """What a row may differ from eager by: the exact exports and fp32 1e-4; bf16 (auto: bf16 where the CPU has
-    it) keeps 8 bits of mantissa, 3e-2 (ResNet-18 measured ~4e-3); int8 is judged by the accuracy gate on real
-    images, not on this random batch."""
+    """What a row may differ from eager by: the exact exports as fp32; the served engine by its precision's
+    tolerance (none for int8, which the accuracy gate judges on real images)."""
     if name.startswith("openvino "):
-        return {"fp32": TOLERANCE, "auto": BF16_TOLERANCE, "bf16": BF16_TOLERANCE}.get(name.split()[1], float("inf"))
+        return TOLERANCES.get(name.split()[1], float("inf"))
     return TOLERANCE
 
 

@@ -12,12 +12,8 @@ from builder import config as cfg
 from builder.mar import Archive
 from builder.repository import Options
 from builder.weights import IMAGENET, WEIGHT_CHOICES, Preprocessing, classification_models
+from common import precision as precisions
 from common.contract import DECODE_DEVICE, IMAGE, buckets_for, parse_buckets
-
-# One rule for every source (torchvision, a weights file, a model file, a .mar) and kind: the served model
-# answers as the same model in eager PyTorch on that device (CPU: fp32; GPU: fp32 with TF32 convolutions,
-# PyTorch's own default there). The faster precisions are asked for: --precision auto / bf16 / fp16 / int8.
-DEFAULT_PRECISION = "fp32"
 
 
 @dataclass(frozen=True)
@@ -124,8 +120,11 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
     """The flags, each unset one taken from the archive's model-config.yaml, else the kind's default."""
     gpu, default = kind == cfg.InstanceKind.GPU, cfg.DEFAULTS[kind]
     engine = args.engine if args.engine != "auto" else ("torch" if gpu else "openvino")
-    precision = args.precision or DEFAULT_PRECISION
-    _check_precision(precision, engine, gpu)
+    precision = args.precision or precisions.DEFAULT
+    try:
+        precisions.check(precision, engine, "gpu" if gpu else "cpu")
+    except precisions.PrecisionError as exc:
+        raise cfg.ConfigError(str(exc)) from None
     if (precision == "int8") != (args.calibration is not None):
         raise cfg.ConfigError("--precision int8 needs --calibration DIR (images like the ones you will serve)"
                               if precision == "int8" else "--calibration goes with --precision int8")
@@ -162,24 +161,6 @@ def _options(args, kind: cfg.InstanceKind, archive: Archive | None) -> Options:
                    cuda_graphs=bool(graphs and gpu), cudnn_benchmark=args.cudnn_benchmark, buckets=buckets,
                    decode_device=decode_device, calibration=args.calibration, image_model=image_model,
                    input_dtype=args.input_dtype)
-
-
-def _check_precision(precision: str, engine: str, gpu: bool) -> None:
-    """Which engine runs which precision where; a precision the serving CPU lacks is refused at load."""
-    if engine == "openvino":
-        if gpu:
-            raise cfg.ConfigError("--engine openvino runs on CPU instances: use --kind cpu")
-        if precision not in ("auto", "fp32", "bf16", "int8"):
-            raise cfg.ConfigError(f"--precision {precision} is not one OpenVINO runs here: auto, fp32, bf16 or int8")
-        return
-    if precision in ("auto", "int8"):
-        raise cfg.ConfigError(f"--precision {precision} needs --engine openvino (on CPU instances)")
-    if precision == "fp16" and not gpu:
-        raise cfg.ConfigError(f"--precision fp16 needs --kind gpu; on CPU, engine {engine} runs fp32 or bf16 "
-                              "(bf16 where the serving CPU has AMX or AVX512-BF16)")
-    if precision != "fp32" and engine == "onnxruntime":
-        raise cfg.ConfigError(f"--precision {precision} needs --engine torch or torchscript "
-                              "(onnxruntime runs the fp32 export)")
 
 
 def precision_note(options: Options) -> str:

@@ -23,7 +23,8 @@ _ROOT = Path(__file__).resolve().parent.parent
 CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "backends/batch_runner.py",
                     "engines.py": "backends/engines.py", "triton_io.py": "backends/triton_io.py",
                     "contract.py": "common/contract.py", "model_code.py": "common/model_code.py",
-                    "cpu.py": "common/cpu.py", "messages.py": "common/messages.py"}
+                    "cpu.py": "common/cpu.py", "messages.py": "common/messages.py",
+                    "precision.py": "common/precision.py"}
 PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "common/decoding.py",
                     "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
                     "messages.py": "common/messages.py",

@@ -1,19 +1,14 @@
 """Process and port helpers shared by the server, the builder and the drills."""
 from __future__ import annotations
 
-import os
 import socket
+
+import psutil
 
 
 def pid_alive(pid: int) -> bool:
-    """True if a process with this id exists (someone else's live process counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """True if a process with this id exists (someone else's live process counts; so does a zombie)."""
+    return psutil.pid_exists(pid)
 
 
 def port_free(host: str, port: int) -> bool:

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from common.precision import TOLERANCE as TOLERANCES
 from perf.samples import CAT
 
-TOLERANCE = 1e-4  # largest served-vs-in-process deviation, relative to the logits' scale
+TOLERANCE = TOLERANCES["fp32"]  # largest served-vs-in-process deviation, relative to the logits' scale
 
 
 @dataclass

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 import torchvision
 
+from backends.batch_runner import PRECISIONS
 from common.cli import OneLineParser
 from common.messages import first_line
 
 VARIANTS = ("eager", "folded", "graph", "compile")
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parser():

@@ -9,6 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 from common.procs import pid_alive
 
 # Our names in /tmp and /dev/shm carry the owning process id, so that a later start can tell
@@ -29,7 +31,7 @@ def remove_stale(tmp: Path | None = None, shm: Path = Path("/dev/shm")) -> list[
     then the work directories and python-backend shared memory."""
     removed = []
     for pid, argv, _, _ in _processes("triton_python"):
-        owner = _STUB_OWNER.search(argv[0])  # <tmp>/triton-serve-<pid>-*/backends/python/triton_python_backend_stub
+        owner = argv and _STUB_OWNER.search(argv[0])  # <tmp>/triton-serve-<pid>-*/backends/python/triton_python_backend_stub
         if owner and not pid_alive(int(owner.group(1))):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -133,16 +135,10 @@ def running_stubs() -> set[int]:
 def _processes(comm: str) -> list[tuple[int, list[str], int, str]]:
     """(pid, argv, parent pid, state) of the processes whose name starts with `comm`, zombies included (no argv)."""
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for process in psutil.process_iter(["name", "cmdline", "ppid", "status"]):
+        info = process.info
+        if not (info["name"] or "").startswith(comm):  # the kernel's name, also of a zombie (no cmdline)
             continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-            if not stat[stat.find("(") + 1:].startswith(comm):  # comm, also of a zombie (no cmdline)
-                continue
-            fields = stat[stat.rfind(")") + 2:].split()
-            argv = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        found.append((int(entry.name), argv, int(fields[1]), fields[0]))
+        zombie = info["status"] == psutil.STATUS_ZOMBIE
+        found.append((process.pid, info["cmdline"] or [], info["ppid"], "Z" if zombie else "R"))
     return found

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from server.triton import ServerError, TritonServer
+from server.triton import ServerError, TritonServer, release_thread_hub
 
 
 def describe_exit(status: int | None) -> str:
@@ -168,6 +168,8 @@ class Supervisor:
                 call()
             except ServerError as error:
                 failure.append(error)
+            finally:
+                release_thread_hub()
 
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
@@ -179,7 +181,7 @@ class Supervisor:
             raise ServerError("stopped while loading")
 
     def _state(self, model: str) -> str:
-        for entry in self.server.repository_api("index", timeout=5):
+        for entry in self.server.index():
             if entry.get("name") == model:
                 return entry.get("state", "")
         return ""
@@ -201,7 +203,7 @@ class Supervisor:
             # an unload waits forever for a batch that was in flight in the dead stub).
             self.log(f"serve-repo: {model}: {why}; the repository holds a new build of it: loading that whole")
             try:
-                self._interruptible(lambda: self.server.repository_api("load", model))
+                self._interruptible(lambda: self.server.load(model))
             except ServerError as error:
                 self.log(f"serve-repo: {model}: loading the new build failed ({error}); unloading first")
                 self.reload_whole(model, started)
@@ -213,8 +215,7 @@ class Supervisor:
         self.log(f"serve-repo: {model}: {why}; replacing its instances (the model stays loaded)")
         try:
             config = self.server.model_config(model)
-            self._interruptible(lambda: self.server.repository_api(
-                "load", model, body={"parameters": {"config": json.dumps(renewed(config, instance))}}))
+            self._interruptible(lambda: self.server.load(model, renewed(config, instance)))
         except ServerError as error:
             if self._stop.is_set():
                 self.log(f"serve-repo: {model}: reload failed: {error}")
@@ -229,12 +230,12 @@ class Supervisor:
     def reload_whole(self, model: str, started: float) -> None:
         """unload + load: the model is not ready until it is back."""
         try:
-            self.server.repository_api("unload", model)
+            self.server.unload(model)
             # Triton answers the unload at once and unloads in the background (~1 s with a dead stub);
             # a load issued before that finished is a version swap during which the broken model
             # stays READY. So: wait until the index says it is unloaded, then load.
             self._wait_unloaded(model)
-            self._interruptible(lambda: self.server.repository_api("load", model))
+            self._interruptible(lambda: self.server.load(model))
         except ServerError as error:
             self.log(f"serve-repo: {model}: reload failed: {error}")
             return

@@ -12,10 +12,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from common.messages import first_line
 from common.procs import free_port, port_free
 from server.errors import ServerError
 from server.log import TritonLog
@@ -23,7 +26,15 @@ from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, remove_stale, stubs_
 from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models
 from server.wheel import make_backend_dir, pytriton_root
 
-__all__ = ["ServerError", "TritonServer"]
+__all__ = ["ServerError", "TritonServer", "release_thread_hub"]
+
+
+def release_thread_hub() -> None:
+    """tritonclient.http's transport (geventhttpclient) gives each thread that calls it a gevent hub with its own
+    event loop, which outlives the thread (2 file descriptors each): a short-lived thread releases it as it ends."""
+    import gevent
+
+    gevent.get_hub().destroy(destroy_loop=True)
 
 
 class TritonServer:
@@ -64,6 +75,11 @@ class TritonServer:
     @property
     def log_file(self) -> Path | None:
         return self.log.path
+
+    @property
+    def workdir(self) -> Path | None:
+        """This run's private folder (made by the first start, removed by stop)."""
+        return self._workdir
 
     @property
     def http_url(self) -> str:
@@ -161,17 +177,26 @@ class TritonServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def _get(self, path: str, timeout: float = 2) -> int:
+    @contextmanager
+    def _client(self, timeout: float):
+        """tritonclient's HTTP client for one call: it is not thread-safe, and serve-repo calls from several threads."""
+        client = httpclient.InferenceServerClient(self.http_url, connection_timeout=min(timeout, 5.0),
+                                                  network_timeout=timeout)
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as reply:
-                return reply.status
-        except urllib.error.HTTPError as error:
-            return error.code
-        except OSError:
-            return 0
+            yield client
+        finally:
+            client.close()
+
+    def _asks(self, question, timeout: float = 2) -> bool:
+        """A health question's answer; False where the server does not answer (starting, dead)."""
+        try:
+            with self._client(timeout) as client:
+                return bool(question(client))
+        except (InferenceServerException, OSError):
+            return False
 
     def ready(self) -> bool:
-        return self._get("/v2/health/ready") == 200
+        return self._asks(lambda client: client.is_server_ready())
 
     def _metrics_listening(self) -> bool:
         """Triton opens its metrics port just after HTTP reports ready: a start is done when that port takes
@@ -194,33 +219,38 @@ class TritonServer:
         self.served_files[name] = fingerprint(self.repository / name)
 
     def model_ready(self, name: str) -> bool:
-        return self._get(f"/v2/models/{name}/ready") == 200
+        return self._asks(lambda client: client.is_model_ready(name))
+
+    def _call(self, what: str, call, timeout: float):
+        """A call of tritonclient's HTTP client; ServerError naming `what` where it fails."""
+        try:
+            with self._client(timeout) as client:
+                return call(client)
+        except InferenceServerException as error:
+            raise ServerError(f"{what}: {first_line(error)[:300]}") from None
+        except (OSError, ValueError) as error:
+            raise ServerError(f"{what}: {first_line(error)}") from None
 
     def model_config(self, name: str) -> dict:
         """The configuration Triton serves `name` with (its JSON form)."""
-        try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/models/{name}/config", timeout=10) as reply:
-                return json.loads(reply.read())
-        except (OSError, ValueError) as error:
-            raise ServerError(f"config of {name}: {error}") from None
+        return self._call(f"config of {name}", lambda client: client.get_model_config(name), 10)
 
-    def repository_api(self, action: str, model: str | None = None, timeout: float = 600,
-                       body: dict | None = None) -> dict | list:
-        """POST to Triton's repository API (index, load, unload), with our admin key when it is restricted."""
-        path = f"/v2/repository/models/{model}/{action}" if model else f"/v2/repository/{action}"
-        request = urllib.request.Request(f"http://{self.http_url}{path}", data=json.dumps(body or {}).encode(),
-                                         method="POST")
-        if self.admin_key:
-            request.add_header("triton-admin-key", self.admin_key)
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as reply:
-                body = reply.read()
-        except urllib.error.HTTPError as error:
-            raise ServerError(f"{action} {model or ''}: HTTP {error.code}: "
-                              f"{error.read().decode(errors='replace')[:300]}") from None
-        except OSError as error:
-            raise ServerError(f"{action} {model or ''}: {error}") from None
-        return json.loads(body) if body else {}
+    @property
+    def _admin(self) -> dict | None:
+        """The header the repository API asks for where serve-repo restricted it (--model-control none)."""
+        return {"triton-admin-key": self.admin_key} if self.admin_key else None
+
+    def index(self, timeout: float = 5) -> list[dict]:
+        """The repository index: every model Triton knows of, with its state (READY, UNLOADING, ...)."""
+        return self._call("index", lambda client: client.get_model_repository_index(headers=self._admin), timeout)
+
+    def load(self, model: str, config: dict | None = None, timeout: float = 600) -> None:
+        """Load (or update) `model`; with `config`, under that config instead of its config.pbtxt."""
+        self._call(f"load {model}", lambda client: client.load_model(
+            model, headers=self._admin, config=json.dumps(config) if config is not None else None), timeout)
+
+    def unload(self, model: str, timeout: float = 60) -> None:
+        self._call(f"unload {model}", lambda client: client.unload_model(model, headers=self._admin), timeout)
 
     def stubs(self) -> list[Stub]:
         return stubs_of(self._process.pid) if self.running() else []

@@ -6,11 +6,12 @@ import torch
 from backends import classifier
 from backends.engines import cpu_bf16
 from common.modelconfig import parameters, read_config
+from common.precision import TOLERANCE
 from support import SMALL, build, reference_logits, reference_model, relative_error
 
 # bf16 keeps 8 bits of mantissa; weights and activations both in bf16 move ResNet-18's logits by ~1e-2
 # of their range (measured on random inputs), fp32 by 1e-6.
-BF16_TOLERANCE = 3e-2
+BF16_TOLERANCE = TOLERANCE["bf16"]
 
 
 def _torch_params(repository, precision: str) -> dict:
@@ -37,7 +38,7 @@ def test_torch_engine_bf16_on_cpu_keeps_the_fp32_logits_when_the_cpu_has_bf16(re
 
 def test_torch_engine_refuses_bf16_at_load_when_the_cpu_lacks_it(repository, monkeypatch):
     monkeypatch.setattr(classifier, "cpu_bf16", lambda: False)
-    with pytest.raises(RuntimeError, match="needs a CPU with AMX or AVX512-BF16"):
+    with pytest.raises(ValueError, match="needs a CPU with AMX or AVX512-BF16"):
         _runner(repository, "bf16")
     assert _runner(repository, "fp32").dtype == torch.float32  # fp32 still loads on that CPU
 

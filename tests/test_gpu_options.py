@@ -1,4 +1,6 @@
 """GPU options decided on any machine: build-repo's GPU defaults and checks, serve-repo's GPU flags, buckets."""
+from pathlib import Path
+
 import pytest
 import torch
 from tritonclient.grpc import model_config_pb2 as mc
@@ -6,10 +8,17 @@ from tritonclient.grpc import model_config_pb2 as mc
 from backends.batch_runner import BatchRunner, _rows
 from common.contract import buckets_for, parse_buckets
 from builder import cli as build_repo
+from builder.config import ConfigError
+from builder.plan import make_plan
+from common import precision as precisions
 from common.modelconfig import read_config
 from server.repo import GPU_FLAGS, uses_gpu
 from server.triton import TritonServer
 from support import SMALL, build
+
+
+def plan_of(args):
+    return make_plan(build_repo.parser().parse_args(["--model", SMALL, "--weights", "random", "--output", "x", *args]))
 
 
 def test_buckets_cover_every_batch_when_max_is_not_a_power_of_two():
@@ -27,7 +36,7 @@ def test_rows_split_parts_when_a_batch_exceeds_the_largest_bucket():
 
 
 def test_runner_refuses_half_precision_when_instance_is_cpu():
-    with pytest.raises(ValueError, match="needs a GPU"):
+    with pytest.raises(ValueError, match="needs --kind gpu"):
         BatchRunner(torch.nn.Identity(), torch.device("cpu"), (3, 4, 4), "fp16")
 
 
@@ -108,3 +117,25 @@ def test_serve_repo_gives_every_gpu_a_memory_pool_when_there_are_several(tmp_pat
     assert pools == [f"--cuda-memory-pool-byte-size={i}:536870912" for i in range(3)]
     assert not [f for f in gpu_flags(tmp_path / "repo", ["--cuda-memory-pool-byte-size=1:1"], gpus=3)
                 if f.startswith("--cuda-memory-pool")]  # the user's own pool flags replace ours
+
+
+@pytest.mark.parametrize("engine", sorted(precisions.RUNS))
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+@pytest.mark.parametrize("precision", precisions.CHOICES)
+def test_precision_rule_agrees_between_build_and_load_when_any_engine_kind_and_precision(engine, kind, precision):
+    # One table decides: build-repo refuses exactly what the backend would refuse at load, and says the same.
+    args = ["--kind", kind, "--engine", engine, "--precision", precision]
+    if precision == "int8":
+        args += ["--calibration", str(Path(__file__).parent)]
+    try:
+        precisions.check(precision, engine, kind)
+        expected = None
+    except precisions.PrecisionError as exc:
+        expected = str(exc)
+    try:
+        plan_of(args)
+        built = None
+    except ConfigError as exc:
+        built = str(exc)
+    assert built == expected
+    assert (expected is None) == (precision in precisions.RUNS[engine][kind])

@@ -11,11 +11,12 @@ import tritonclient.http as httpclient
 
 from backends.engines import OpenVino
 from common.modelconfig import read_config
+from common.precision import TOLERANCE
 from images import CAT
 from support import SMALL, build, reference_logits, relative_error
 
 # bf16 keeps 8 bits of mantissa: ResNet-18's logits move by ~4e-3 of their range (measured), fp32 by 1e-6.
-BF16_TOLERANCE = 3e-2
+BF16_TOLERANCE = TOLERANCE["bf16"]
 
 
 def _cpu_has_bf16() -> bool:
@@ -53,7 +54,7 @@ def test_openvino_precision_auto_resolves_where_served_and_is_reported_when_load
     tensor.set_data_from_numpy(images)
     served = httpclient.InferenceServerClient(server.http_url).infer(SMALL, [tensor]).as_numpy("LOGITS")
     reference = reference_logits(small_model, images)
-    assert relative_error(served, reference) <= (BF16_TOLERANCE if expected == "bf16" else 1e-4)
+    assert relative_error(served, reference) <= TOLERANCE[expected]
     assert (served.argmax(1) == reference.argmax(1)).all()
 
 

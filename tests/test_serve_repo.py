@@ -34,6 +34,8 @@ def test_serve_repo_stops_server_and_stubs_when_sent_sigterm(repository, tmp_pat
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         ready = process.stdout.readline()
+        while ready.startswith("serve-repo: the log of a dead earlier run"):  # what an earlier killed run left
+            ready = process.stdout.readline()
         assert f"HTTP 127.0.0.1:{ports[0]}" in ready and f"gRPC 127.0.0.1:{ports[1]}" in ready
         assert _stubs_for(repo), "a python backend stub should be running"
         process.send_signal(signal.SIGTERM)

@@ -248,3 +248,11 @@ def test_dead_stub_after_a_rebuild_loads_the_new_build_whole_not_new_files_under
         assert faults.infer(serve.http, SMALL, batch).shape == (1, 1000)
     finally:
         serve.stop()
+
+
+def test_stale_sweep_passes_over_a_zombie_stub_when_it_has_no_command_line(tmp_path, monkeypatch):
+    # A zombie has no /proc/PID/cmdline: the sweep must not trip over it (nor kill anything for it).
+    from server import procfs
+
+    monkeypatch.setattr(procfs, "_processes", lambda comm: [(123456789, [], 1, "Z")])
+    assert procfs.remove_stale(tmp_path / "tmp", tmp_path / "shm") == []
