@@ -2,12 +2,15 @@
 and tests: its output collected line by line, waited on, its tritonserver found, stopped with SIGTERM."""
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 from common.procs import free_port
 
@@ -29,7 +32,9 @@ class ServeRepo:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
         self.lines: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
-        self.wait_for("tritonserver ready:", timeout)
+        # "tritonserver ready: HTTP ..." or, with the proxy in front, "proxy ready: HTTP ...".
+        self.ready_line = self.wait_for(" ready: HTTP", timeout)
+        self.proxied = self.ready_line.startswith("proxy ready")
         self.http = httpclient.InferenceServerClient(f"127.0.0.1:{self.ports[0]}")
 
     def _pump(self):
@@ -54,11 +59,21 @@ class ServeRepo:
 
     @property
     def triton_pid(self) -> int:
-        found = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True)
-        pids = [int(pid) for pid in found.stdout.split()]
+        try:
+            pids = [child.pid for child in psutil.Process(self.process.pid).children() if child.name() == "tritonserver"]
+        except psutil.Error:
+            pids = []
         if len(pids) != 1:
-            raise AssertionError(f"serve-repo should have one child, tritonserver: {pids}")
+            raise AssertionError(f"serve-repo should have one tritonserver child: {pids}")
         return pids[0]
+
+    @property
+    def private_ports(self) -> tuple[int, int]:
+        """Triton's own HTTP and gRPC ports behind the proxy, as serve-repo's ready line names them."""
+        found = re.search(r"tritonserver on 127\.0\.0\.1:(\d+)/(\d+)", self.ready_line)
+        if not found:
+            raise AssertionError(f"no private ports in {self.ready_line!r}")
+        return int(found.group(1)), int(found.group(2))
 
     def stop(self):
         if self.process.poll() is None:

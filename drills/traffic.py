@@ -215,11 +215,11 @@ FAULTS = {  # name: (fault, whether serving comes back: after a stop nothing doe
 
 def drill(repository: Path, model: str, name: str, tensor_reference: np.ndarray, rate: float,
           before: float = 4, watch: float = 20, hang_limit: float = 60, flags: tuple = (),
-          restart: bool = True) -> dict:
+          restart: bool = True, faults: dict | None = None) -> dict:
     """One fault under `rate` requests/s on a fresh serve-repo; the figures of every request. After a fault
     that stops serve-repo (SIGTERM, kill -9), `restart` starts it again on the same ports as soon as it has
     exited, as a process manager does (systemd Restart=always with RestartSec=0, Docker restart: always)."""
-    fault, comes_back = FAULTS[name]
+    fault, comes_back = (faults or FAULTS)[name]
     restarter = Restarter(repository, flags) if restart and not comes_back else None
     serve = ServeRepo(repository, *flags)
     try:

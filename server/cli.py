@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 from common.cli import OneLineParser
+from server.proxy import Proxy, ProxySettings, exposed
 from server.supervisor import Supervisor
 from server.repo import GPU_FLAGS
 from server.triton import ServerError, TritonServer
@@ -21,7 +22,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", metavar="N", type=int, default=8000, help="Default: 8000.")
     p.add_argument("--grpc-port", metavar="N", type=int, default=8001, help="Default: 8001.")
     p.add_argument("--metrics-port", metavar="N", type=int, default=8002, help="Default: 8002.")
-    p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1", help="address to bind. Default: 127.0.0.1.")
+    p.add_argument("--host", metavar="ADDRESS", default="127.0.0.1",
+                   help="address the HTTP and gRPC ports listen on. Beyond loopback (e.g. 0.0.0.0) the proxy "
+                        "listens there and Triton's own ports stay on 127.0.0.1. Default: 127.0.0.1.")
+    p.add_argument("--proxy", choices=("auto", "on", "off"), default="auto",
+                   help="HAProxy (proxy/haproxy.cfg) in front of Triton: refuses the JSON requests that abort "
+                        "Triton 2.51, caps bodies and per-client rates, holds requests while Triton restarts, "
+                        "keeps the repository API private; TLS and a token when asked. auto: on when --host is "
+                        "not loopback; off: Triton's ports face --host directly. Default: auto.")
+    p.add_argument("--tls-cert", metavar="PEM", type=Path,
+                   help="certificate for the proxy's ports (both then speak TLS only); needs the proxy. "
+                        "Default: none (plain HTTP and gRPC).")
+    p.add_argument("--tls-key", metavar="PEM", type=Path,
+                   help="the certificate's private key, where it is not in --tls-cert's file. Default: none.")
+    p.add_argument("--token-file", metavar="FILE", type=Path,
+                   help="a file whose first line (16+ characters) every request must bear as 'authorization: "
+                        "Bearer TOKEN' (HTTP header or gRPC metadata), else 401; needs the proxy. Default: none.")
+    p.add_argument("--max-body-mb", metavar="MB", type=float, default=8,
+                   help="largest HTTP request body the proxy lets through (413 beyond). Default: 8.")
+    p.add_argument("--rate-limit", metavar="N", type=int, default=50_000,
+                   help="requests one client address may send through the proxy in 10 s (429 beyond). "
+                        "Default: 50000.")
     p.add_argument("--model-control", choices=("none", "explicit"), default="none",
                    help="explicit: models may be (re)loaded live through the repository API (perf.tune "
                         "uses it). none: the repository API needs a key only serve-repo holds. The server "
@@ -52,8 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.drain_seconds, args.max_restarts, args.max_unfreed_instances) < 0:
         p.error("--drain-seconds, --max-restarts and --max-unfreed-instances must be >= 0")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
-    server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
-                          args.model_control, args.log_file, extra, drain_seconds=args.drain_seconds)
+    use_proxy = args.proxy == "on" or args.proxy == "auto" and exposed(args.host)
+    if not use_proxy and (args.tls_cert or args.tls_key or args.token_file):
+        p.error("--tls-cert, --tls-key and --token-file are the proxy's: drop --proxy off")
+    if args.tls_key and not args.tls_cert:
+        p.error("--tls-key goes with --tls-cert")
+    if use_proxy:  # Triton on private loopback ports; the proxy takes the ones asked for
+        server = TritonServer.local(args.repository, model_control=args.model_control, log_file=args.log_file,
+                                    extra_args=extra, drain_seconds=args.drain_seconds)
+        settings = ProxySettings(args.host, args.http_port, args.grpc_port, int(args.max_body_mb * (1 << 20)),
+                                 args.rate_limit, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                 token_file=args.token_file)
+    else:
+        server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
+                              args.model_control, args.log_file, extra, drain_seconds=args.drain_seconds)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -67,16 +100,36 @@ def main(argv: list[str] | None = None) -> int:
     _print_kept_logs(server)
     for name, why in server.skipped.items():
         print(f"skipped {name}: {why}", flush=True)
-    print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
-          f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
+    proxy = None
+    if use_proxy:
+        proxy = Proxy(settings, server.http_url, server.grpc_url, f"127.0.0.1:{server.ports['metrics']}",
+                      server.workdir)
+        try:
+            proxy.start()
+        except (ServerError, OSError) as exc:
+            server.stop()
+            print(f"serve-repo: error: {exc}", file=sys.stderr)
+            return 1
+        scheme = "https" if args.tls_cert else "http"
+        print(f"proxy ready: HTTP {scheme}://{proxy.http_url}  gRPC {proxy.grpc_url}  metrics "
+              f"{scheme}://{proxy.http_url}/metrics  (tritonserver on 127.0.0.1:{server.ports['http']}/"
+              f"{server.ports['grpc']}, private)  log {proxy.log_file}", flush=True)
+    else:
+        print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+              f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout,
-                            log=lambda line: print(line, flush=True), max_unfreed=args.max_unfreed_instances)
+                            log=lambda line: print(line, flush=True), max_unfreed=args.max_unfreed_instances,
+                            proxy=proxy)
     status = supervisor.run(stop)
     if status:
+        if proxy is not None:
+            proxy.stop()
         server.stop(keep_log=True)
         print(f"serve-repo: error: {supervisor.failure}{_log_of(server)}", file=sys.stderr)
         return 1
     print(f"stopping: draining in-flight requests for up to {args.drain_seconds:g}s", flush=True)
+    if proxy is not None:
+        proxy.stop()  # first: no new request reaches a draining Triton
     server.stop()
     print("tritonserver stopped", flush=True)
     return 0

@@ -42,8 +42,9 @@ class Supervisor:
 
     def __init__(self, server: TritonServer, max_restarts: int = 5, poll_seconds: float = 0.25,
                  stable_seconds: float = 60, log: Callable[[str], None] = print, start_timeout: float = 600,
-                 max_unfreed: int = 4, unfreed_grace: float = 30):
+                 max_unfreed: int = 4, unfreed_grace: float = 30, proxy=None):
         self.server = server
+        self.proxy = proxy  # server.proxy.Proxy in front of the server, restarted when it dies
         self.max_restarts = max_restarts
         self.poll_seconds = poll_seconds
         self.stable_seconds = stable_seconds
@@ -71,6 +72,7 @@ class Supervisor:
                 continue
             self.check_stubs()
             self.check_unfreed()
+            self.check_proxy()
             stop.wait(self.poll_seconds)
         return 0
 
@@ -104,6 +106,21 @@ class Supervisor:
         self.total_restarts += 1
         self.log(f"serve-repo: tritonserver ready again after {self._started - died:.1f}s "
                  f"(restart {self.total_restarts})")
+        return True
+
+    def check_proxy(self) -> bool:
+        """Start the proxy again if it died (it holds no state: clients reconnect). True if it was restarted."""
+        if self.proxy is None or self.proxy.running():
+            return False
+        self.proxy._reap()
+        self.log(f"serve-repo: the proxy died ({describe_exit(self.proxy.returncode)}): {self.proxy.last_words()}; "
+                 "restarting it")
+        try:
+            self.proxy.start()
+        except (ServerError, OSError) as error:
+            self.log(f"serve-repo: the proxy did not start again: {error}")
+            return False
+        self.log("serve-repo: the proxy is listening again")
         return True
 
     def check_stubs(self) -> list[str]:

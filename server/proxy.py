@@ -1,0 +1,177 @@
+"""The reverse proxy in front of Triton (HAProxy with proxy/haproxy.cfg), as one child process that dies with us.
+
+Triton 2.51 has no TLS, no authentication and aborts on a ~100-byte JSON request with a huge declared shape;
+its ports stay on 127.0.0.1 and the proxy listens publicly, holds requests while Triton restarts, and refuses
+what Triton must not see (proxy/guard.lua)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from server.errors import ServerError
+from server.procfs import with_parent_death
+
+PROXY_DIR = Path(__file__).resolve().parent.parent / "proxy"
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """What serve-repo's flags set; the rest of the proxy's behaviour is proxy/haproxy.cfg's."""
+    host: str
+    http_port: int
+    grpc_port: int
+    max_body_bytes: int = 8 << 20
+    rate_per_10s: int = 50_000
+    retries: int = 15
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    token_file: Path | None = None
+
+
+def haproxy_binary() -> str:
+    """HAProxy from the system (Debian's package; `make setup` installs it): sbin is often not on PATH."""
+    found = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
+    if not found:
+        raise ServerError("haproxy not found: `make setup` installs it (tools/install_proxy.sh), "
+                          "or serve with --proxy off on a trusted network")
+    return found
+
+
+class Proxy:
+    """HAProxy forwarding settings.host's ports to a TritonServer's private ones."""
+
+    def __init__(self, settings: ProxySettings, triton_http: str, triton_grpc: str, triton_metrics: str,
+                 workdir: Path):
+        self.settings = settings
+        self.upstream = {"TRITON_HTTP": triton_http, "TRITON_GRPC": triton_grpc, "TRITON_METRICS": triton_metrics}
+        self.workdir = workdir
+        self.log_file = workdir / "haproxy.log"
+        self._process: subprocess.Popen | None = None
+        self.returncode: int | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.settings.host}:{self.settings.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.settings.host}:{self.settings.grpc_port}"
+
+    def environment(self) -> dict[str, str]:
+        s = self.settings
+        env = {"PROXY_DIR": str(PROXY_DIR), "PROXY_HTTP_BIND": _bind(s.host, s.http_port),
+               "PROXY_GRPC_BIND": _bind(s.host, s.grpc_port), "PROXY_MAX_BODY": str(s.max_body_bytes),
+               "PROXY_RATE_10S": str(s.rate_per_10s), "PROXY_RETRIES": str(s.retries), **self.upstream}
+        if s.tls_cert is not None:
+            env["PROXY_TLS_PEM"] = str(self._pem())
+        if s.token_file is not None:
+            env["PROXY_TOKEN_FILE"] = str(Path(s.token_file).resolve())
+        return env
+
+    def _pem(self) -> Path:
+        """HAProxy reads the certificate and its key from one file: ours, readable by us alone."""
+        pem = self.workdir / "proxy.pem"
+        key = self.settings.tls_key or self.settings.tls_cert
+        text = Path(self.settings.tls_cert).read_text()
+        if key != self.settings.tls_cert:
+            text = text.rstrip("\n") + "\n" + Path(key).read_text()
+        fd = os.open(pem, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return pem
+
+    def command(self) -> list[str]:
+        # -db: in the foreground, no daemon, so that it is our child and dies with us.
+        return [haproxy_binary(), "-db", "-f", str(PROXY_DIR / "haproxy.cfg")]
+
+    def check(self) -> None:
+        """HAProxy's own check of the configuration with these settings (a bad certificate, a short token)."""
+        result = subprocess.run([*self.command(), "-c", "-q"], env={**os.environ, **self.environment()},
+                                capture_output=True, text=True, timeout=60)
+        if result.returncode != 0:
+            raise ServerError(f"the proxy refuses its configuration: {_last_lines(result.stdout + result.stderr)}")
+
+    def start(self, timeout: float = 15) -> "Proxy":
+        """Start HAProxy and wait until both public ports take connections."""
+        self.check()
+        with open(self.log_file, "ab") as log:  # a file, not a pipe: a log nobody reads can never block it
+            self._process = subprocess.Popen(with_parent_death(self.command(), os.getpid()), stdout=log,
+                                             stderr=subprocess.STDOUT, env={**os.environ, **self.environment()},
+                                             start_new_session=True)
+        self.returncode = None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                self._reap()
+                raise ServerError(f"the proxy exited with status {self.returncode}: {self.last_words()}")
+            if all(_listening(self.settings.host, port) for port in (self.settings.http_port, self.settings.grpc_port)):
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise ServerError(f"the proxy was not listening after {timeout:.0f}s: {self.last_words()}")
+
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def last_words(self) -> str:
+        try:
+            return _last_lines(self.log_file.read_text(errors="replace"))
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """SIGUSR1: HAProxy stops listening and ends once the requests it holds are answered (soft stop)."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGUSR1)
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._reap()
+        (self.workdir / "proxy.pem").unlink(missing_ok=True)  # our copy of the private key
+
+    def _reap(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()
+        self.returncode = process.returncode
+
+
+def exposed(host: str) -> bool:
+    """True where `host` reaches beyond this machine."""
+    return host not in LOOPBACK and not host.startswith("127.")
+
+
+def _bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _listening(host: str, port: int) -> bool:
+    target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    try:
+        socket.create_connection((target, port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _last_lines(text: str, n: int = 3) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return " | ".join(lines[-n:]) or "(nothing logged)"

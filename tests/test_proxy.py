@@ -1,0 +1,263 @@
+"""The reverse proxy (HAProxy, proxy/haproxy.cfg + guard.lua) in front of a real tritonserver: what it refuses,
+what it lets through (tritonclient HTTP and gRPC, the curl script, the image path), TLS, the token, holding
+requests while Triton restarts, and serve-repo running it."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from common.procs import free_port
+from drills.faults import CRASHING_BODY, running
+from drills.serve import ServeRepo
+from images import CAT
+from server.proxy import Proxy, ProxySettings
+from support import SMALL
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "s3cret-token-for-the-proxy-tests"
+
+
+def _proxy(server, tmp_path: Path, **settings) -> Proxy:
+    workdir = tmp_path / f"proxy-{len(list(tmp_path.glob('proxy-*')))}"
+    workdir.mkdir()
+    options = ProxySettings("127.0.0.1", free_port(), free_port(), **settings)
+    return Proxy(options, server.http_url, server.grpc_url, f"127.0.0.1:{server.ports['metrics']}", workdir).start()
+
+
+@pytest.fixture(scope="module")
+def proxy(server, tmp_path_factory):
+    started = _proxy(server, tmp_path_factory.mktemp("proxy"), max_body_bytes=2 << 20)
+    yield started
+    started.stop()
+
+
+def _post(url: str, path: str, body: bytes, headers: dict | None = None, context=None) -> tuple[int, str]:
+    request = urllib.request.Request(f"{url}{path}", data=body, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=60, context=context) as reply:
+            return reply.status, reply.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+
+
+def _tensor(module, batch: int = 1):
+    data = np.random.default_rng(0).standard_normal((batch, 3, 224, 224)).astype(np.float32)
+    tensor = module.InferInput("IMAGE", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    return tensor
+
+
+def _image(module):
+    data = np.array([[CAT.read_bytes()]], dtype=object)
+    tensor = module.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(data)
+    return tensor
+
+
+def _dims(shape: str) -> bytes:
+    return b'{"inputs":[{"name":"IMAGE","shape":%s,"datatype":"FP32","data":[1,2,3]}]}' % shape.encode()
+
+
+@pytest.mark.parametrize("body, status, rule", [
+    (CRASHING_BODY, 400, "shape-within-body"),
+    (_dims("[1,3,224,224]"), 400, "shape-within-body"),                  # 150528 elements in ~90 bytes
+    (b'{"inputs":[{"name":"IMAGE","shape":[1],"sh\\u0061pe":[99999999999],"datatype":"FP32"}]}', 400, "json"),
+    (_dims("[1,3,224,224.0]"), 400, "shape-within-body"),                # Triton reads dims as int64
+    (_dims("[1,3,2e9]"), 400, "shape-within-body"),
+    (_dims("[1,-3]"), 400, "shape-within-body"),
+    (b'{"inputs":[{"name":"IMAGE","shape":{"0":1},"datatype":"FP32"}]}', 400, "shape-within-body"),
+    (b'{"inputs":' + b"[" * 100 + b"]" * 100 + b"}", 400, "json"),       # nested beyond the parser's depth
+    (b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}],}', 400, "json"),
+    (b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}]} x', 400, "json"),
+])
+def test_proxy_refuses_json_inference_naming_the_rule_when_the_shape_could_not_be_in_the_body(
+        server, proxy, body, status, rule):
+    pid = server.pid
+    code, text = _post(f"http://{proxy.http_url}", f"/v2/models/{SMALL}/infer", body,
+                       {"Content-Type": "application/json"})
+    assert (code, json.loads(text)["error"].split(":")[0]) == (status, f"proxy rule {rule}")
+    assert server.pid == pid and server.ready()  # never reached Triton, which never restarted
+
+
+def test_proxy_passes_an_honest_json_request_to_triton_when_its_shape_fits_the_body(proxy):
+    # Triton itself answers (400: the model wants [-1,3,224,224]): the guard let the request through.
+    code, text = _post(f"http://{proxy.http_url}", f"/v2/models/{SMALL}/infer",
+                       b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}]}')
+    assert code == 400 and "proxy rule" not in text and "unexpected shape" in text
+
+
+def test_proxy_serves_tritonclient_http_grpc_image_path_and_curl_when_requests_are_honest(server, proxy):
+    direct = httpclient.InferenceServerClient(server.http_url).infer(SMALL, [_tensor(httpclient, 2)])
+    http = httpclient.InferenceServerClient(proxy.http_url).infer(SMALL, [_tensor(httpclient, 2)])
+    grpc = grpcclient.InferenceServerClient(proxy.grpc_url).infer(SMALL, [_tensor(grpcclient, 2)])
+    assert np.array_equal(http.as_numpy("LOGITS"), direct.as_numpy("LOGITS"))
+    assert np.array_equal(grpc.as_numpy("LOGITS"), direct.as_numpy("LOGITS"))
+    image = httpclient.InferenceServerClient(proxy.http_url).infer(f"{SMALL}_image", [_image(httpclient)])
+    assert image.as_numpy("LOGITS").shape == (1, 1000)
+    curl = subprocess.run([str(ROOT / "clients" / "curl_classify.sh"), str(CAT), proxy.http_url, SMALL, "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert curl.returncode == 0 and len(json.loads(curl.stdout)["outputs"][0]["data"]) == 3
+    metadata = httpclient.InferenceServerClient(proxy.http_url).get_model_metadata(SMALL)
+    assert metadata["name"] == SMALL
+    with urllib.request.urlopen(f"http://{proxy.http_url}/metrics", timeout=30) as reply:
+        assert b"nv_inference_request_success" in reply.read()
+
+
+@pytest.mark.parametrize("path", ["/v2/repository/index", f"/v2/repository/models/{SMALL}/unload",
+                                  "/v2/systemsharedmemory/register", "/v2/logging", "/v2/trace/setting",
+                                  f"/v2/models/{SMALL}/generate"])
+def test_proxy_keeps_control_apis_private_when_posted_to(proxy, path):
+    code, text = _post(f"http://{proxy.http_url}", path, b"{}")
+    assert code == 403 and "proxy rule allowlist" in text
+
+
+def test_proxy_keeps_the_repository_api_private_when_called_over_grpc(proxy):
+    client = grpcclient.InferenceServerClient(proxy.grpc_url)
+    with pytest.raises(InferenceServerException, match="PERMISSION_DENIED|403"):
+        client.get_model_repository_index()
+    with pytest.raises(InferenceServerException, match="PERMISSION_DENIED|403"):
+        client.unload_model(SMALL)
+    assert client.is_model_ready(SMALL)
+
+
+def test_proxy_caps_the_body_when_it_is_larger_than_configured(proxy):
+    big = _tensor(httpclient, 4)  # 2.4 MB of binary tensor > the fixture's 2 MiB
+    with pytest.raises(InferenceServerException, match="body-limit"):
+        httpclient.InferenceServerClient(proxy.http_url).infer(SMALL, [big])
+
+
+def test_proxy_limits_one_clients_rate_when_it_sends_more_than_allowed(server, tmp_path):
+    limited = _proxy(server, tmp_path, rate_per_10s=5)
+    try:
+        codes = []
+        for _ in range(8):
+            try:
+                with urllib.request.urlopen(f"http://{limited.http_url}/v2/health/ready", timeout=10) as reply:
+                    codes.append(reply.status)
+            except urllib.error.HTTPError as error:
+                codes.append(error.code)
+        assert codes[:5] == [200] * 5 and codes[-1] == 429
+    finally:
+        limited.stop()
+
+
+def test_proxy_answers_401_without_the_token_and_serves_with_it_when_a_token_is_configured(server, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    guarded = _proxy(server, tmp_path, token_file=token_file)
+    try:
+        code, text = _post(f"http://{guarded.http_url}", f"/v2/models/{SMALL}/infer", CRASHING_BODY)
+        assert code == 401 and "proxy rule token" in text
+        with pytest.raises(InferenceServerException, match="token"):
+            httpclient.InferenceServerClient(guarded.http_url).infer(SMALL, [_tensor(httpclient)])
+        def bearer():  # a new dict each call: tritonclient.http adds its own headers to the one it is given
+            return {"authorization": f"Bearer {TOKEN}"}
+        answer = httpclient.InferenceServerClient(guarded.http_url).infer(SMALL, [_tensor(httpclient)],
+                                                                          headers=bearer())
+        assert answer.as_numpy("LOGITS").shape == (1, 1000)
+        grpc = grpcclient.InferenceServerClient(guarded.grpc_url)
+        with pytest.raises(InferenceServerException, match="UNAUTHENTICATED|401"):
+            grpc.infer(SMALL, [_tensor(grpcclient)])
+        assert grpc.infer(SMALL, [_tensor(grpcclient)], headers=bearer()).as_numpy("LOGITS").shape == (1, 1000)
+    finally:
+        guarded.stop()
+
+
+def test_proxy_speaks_only_tls_and_tritonclient_works_over_it_when_a_certificate_is_configured(server, tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    secure = _proxy(server, tmp_path, tls_cert=cert, tls_key=key)
+    try:
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            urllib.request.urlopen(f"http://{secure.http_url}/v2/health/ready", timeout=10).read()
+        context = ssl.create_default_context(cafile=str(cert))
+        with urllib.request.urlopen(f"https://{secure.http_url}/v2/health/ready", timeout=10, context=context) as r:
+            assert r.status == 200
+        http = httpclient.InferenceServerClient(secure.http_url, ssl=True, ssl_context_factory=lambda: context)
+        assert http.infer(SMALL, [_tensor(httpclient)]).as_numpy("LOGITS").shape == (1, 1000)
+        grpc = grpcclient.InferenceServerClient(secure.grpc_url, ssl=True, root_certificates=str(cert))
+        assert grpc.infer(SMALL, [_tensor(grpcclient)]).as_numpy("LOGITS").shape == (1, 1000)
+    finally:
+        secure.stop()
+    assert not (secure.workdir / "proxy.pem").exists()  # our copy of the key goes with the proxy
+
+
+def test_proxy_holds_requests_sent_while_triton_restarts_and_answers_them_when_it_is_back(repository, start_server,
+                                                                                         tmp_path):
+    triton = start_server(repository)
+    proxy = _proxy(triton, tmp_path)
+    try:
+        os.kill(triton.pid, signal.SIGKILL)
+        triton._process.wait()
+        outcomes = []
+
+        def send():
+            try:
+                client = httpclient.InferenceServerClient(proxy.http_url, network_timeout=120)
+                outcomes.append(client.infer(SMALL, [_tensor(httpclient)]).as_numpy("LOGITS").shape)
+            except Exception as exc:  # noqa: BLE001 - the outcome is the assertion
+                outcomes.append(exc)
+        senders = [threading.Thread(target=send) for _ in range(3)]
+        for sender in senders:
+            sender.start()
+        time.sleep(1)  # sent, and held by the proxy while nothing listens on Triton's port
+        triton.restart()
+        for sender in senders:
+            sender.join(120)
+        assert outcomes == [(1, 1000)] * 3
+    finally:
+        proxy.stop()
+
+
+def test_serve_repo_exposed_keeps_triton_private_behind_the_proxy_and_leaves_no_orphan_when_killed(repository,
+                                                                                                   tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in (SMALL, f"{SMALL}_preprocess", f"{SMALL}_image"):
+        os.symlink(repository / name, repo / name)
+    serve = ServeRepo(repo, "--host", "0.0.0.0")  # beyond loopback: the proxy is on by default
+    try:
+        http, grpc = serve.private_ports
+        listening = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout
+        for port in (http, grpc):  # loopback only (gRPC shows as [::ffff:127.0.0.1])
+            bound = [line.split()[3] for line in listening.splitlines() if line.split()[3].endswith(f":{port}")]
+            assert bound and all(address.removeprefix("[::ffff:").startswith("127.0.0.1") for address in bound)
+        assert f"0.0.0.0:{serve.ports[0]} " in listening and f"0.0.0.0:{serve.ports[1]} " in listening
+        pid = serve.triton_pid
+        code, text = _post(f"http://127.0.0.1:{serve.ports[0]}", f"/v2/models/{SMALL}/infer", CRASHING_BODY)
+        assert code == 400 and "shape-within-body" in text
+        assert serve.triton_pid == pid
+        children = {child.name(): child.pid for child in psutil.Process(serve.process.pid).children()}
+        assert set(children) == {"tritonserver", "haproxy"}
+        serve.process.kill()
+        serve.process.wait(10)
+        deadline = time.monotonic() + 10
+        while any(map(running, children.values())) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(running, children.values()))
+    finally:
+        serve.stop()
+
+
+def test_serve_repo_refuses_proxy_flags_when_the_proxy_is_off(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "server.cli", "--repository", str(tmp_path), "--proxy", "off",
+                             "--token-file", str(tmp_path / "token")], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and "proxy" in result.stderr and len(result.stderr.strip().splitlines()) == 1
