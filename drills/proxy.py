@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -62,9 +63,6 @@ def _post(port: int, model: str, body: bytes) -> str:
     code = reply.split(b" ", 2)[1].decode() if reply.startswith(b"HTTP/") else "no answer"
     rule = reply.split(b"proxy rule ", 1)[1].split(b":", 1)[0].decode() if b"proxy rule " in reply else "?"
     return f"{code} {rule}"
-
-
-FAULTS = {"crashing_json_every_second": (crash_every_second, True), "tritonserver_killed": (kill_tritonserver, True)}
 
 
 def added_latency(serve: ServeRepo, model: str, requests: int = 300) -> dict:
@@ -126,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             serve.stop()
         print("capacity through the proxy", results["capacity_per_s"], "requests/s", flush=True)
-        faults = dict(FAULTS, crashing_json_every_second=(
-            lambda s, m: crash_every_second(s, m, args.crashes), True))
+        faults = {"crashing_json_every_second": (partial(crash_every_second, count=args.crashes), True),
+                  "tritonserver_killed": (kill_tritonserver, True)}
         for name, watch in (("crashing_json_every_second", args.crashes + 5.0), ("tritonserver_killed", args.watch)):
             run = drill(repo, args.model, name, tensor_reference, args.load * results["capacity_per_s"],
                         watch=watch, flags=PROXY, faults=faults)
