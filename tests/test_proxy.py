@@ -85,6 +85,9 @@ def _dims(shape: str) -> bytes:
     (b'{"inputs":' + b"[" * 100 + b"]" * 100 + b"}", 400, "json"),       # nested beyond the parser's depth
     (b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}],}', 400, "json"),
     (b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}]} x', 400, "json"),
+    # JSON beyond the 64 KB the guard inspects (the buffer holds 1 MB, for replays): binary data is the way.
+    (b'{"inputs":[{"name":"IMAGE","shape":[1,50000],"datatype":"FP32","data":[' + b"1," * 49999 + b"1]}]}",
+     413, "json-header"),
 ])
 def test_proxy_refuses_json_inference_naming_the_rule_when_the_shape_could_not_be_in_the_body(
         server, proxy, body, status, rule):
@@ -223,6 +226,40 @@ def test_proxy_holds_requests_sent_while_triton_restarts_and_answers_them_when_i
         for sender in senders:
             sender.join(120)
         assert outcomes == [(1, 1000)] * 3
+    finally:
+        proxy.stop()
+
+
+def test_proxy_sends_again_requests_triton_took_but_never_answered_when_it_dies(repository, start_server, tmp_path):
+    triton = start_server(repository)
+    proxy = _proxy(triton, tmp_path)
+    try:
+        clients = {httpclient: lambda: httpclient.InferenceServerClient(proxy.http_url, network_timeout=120),
+                   grpcclient: lambda: grpcclient.InferenceServerClient(proxy.grpc_url)}
+        for module, client in clients.items():
+            assert client().infer(SMALL, [_tensor(module)]).as_numpy("LOGITS").shape == (1, 1000)
+        # Stopped, Triton is alive to the kernel: its connections take the requests and nothing answers them,
+        # as in the last milliseconds of a crash (or a request in flight when it dies).
+        os.kill(triton.pid, signal.SIGSTOP)
+        outcomes = []
+
+        def send(module):
+            try:  # a client per thread: tritonclient.http's (gevent) cannot change threads
+                outcomes.append(clients[module]().infer(SMALL, [_tensor(module)]).as_numpy("LOGITS").shape)
+            except Exception as exc:  # noqa: BLE001 - the outcome is the assertion
+                outcomes.append(exc)
+        senders = [threading.Thread(target=send, args=(module,)) for module in clients]
+        for sender in senders:
+            sender.start()
+        time.sleep(1)  # both sent to Triton, unanswered
+        os.kill(triton.pid, signal.SIGKILL)
+        triton._process.wait()
+        triton.restart()
+        for sender in senders:
+            sender.join(120)
+        assert outcomes == [(1, 1000)] * 2
+        log = proxy.log_file.read_text()  # each failed on the dead connection, then went to the holding layer
+        assert "replay_http/triton is DOWN" in log and "replay_grpc/triton is DOWN" in log
     finally:
         proxy.stop()
 
