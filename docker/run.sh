@@ -3,6 +3,7 @@
 #   docker/run.sh [REPOSITORY [DOCKER_RUN_OPTION ...]]      e.g. docker/run.sh model_repository -d --name t
 # Like serve-repo: a GPU and the GPU flags only when nvidia-smi sees a GPU, so CPU repositories work too
 # (docker/compose.yaml always reserves a GPU). docker/test.sh starts its container through this script.
+# --http-max-input-size: = docker/Dockerfile's CMD, which says why.
 set -euo pipefail
 repo=$(realpath "${1:-model_repository}")
 shift $(($# > 0 ? 1 : 0))
@@ -21,4 +22,4 @@ fi
 # ${a[@]+"${a[@]}"}: an empty array under `set -u` on bash < 4.4 (macOS) would be an error.
 exec docker run --rm ${gpu[@]+"${gpu[@]}"} --shm-size=2g --ulimit memlock=-1 \
   -p 8000:8000 -p 8001:8001 -p 8002:8002 -v "$repo":/models:ro "$@" "${IMAGE:-triton-classifier}" \
-  tritonserver --model-repository=/models ${flags[@]+"${flags[@]}"}
+  tritonserver --model-repository=/models --http-max-input-size=16777216 ${flags[@]+"${flags[@]}"}

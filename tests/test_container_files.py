@@ -19,12 +19,21 @@ import pytest
 import yaml
 
 from builder.repository import CLASSIFIER_FILES, PREPROCESS_FILES
+from server.proxy import ProxySettings
 from server.repo import GPU_FLAGS
 from support import LARGE, ROOT, SEED, SMALL
 
 DOCKER = ROOT / "docker"
-# What each base image ships (Triton release notes): the pins must be re-derived when the tag changes.
-TRITON_RELEASES = {"24.10": {"python": "3.10", "cuda": "12.6"}}
+# What each base image ships (Triton release notes; server = the release branch's TRITON_VERSION): the pins
+# must be re-derived when the tag changes. fixed_json_shape_crash: the release refuses an HTTP/JSON input
+# whose declared shape is too large before allocating it (server PRs #8182, 25.05, and #8174, 25.06, which
+# added --http-max-input-size); 24.10 (2.51) aborts on it (std::bad_alloc).
+TRITON_RELEASES = {
+    "24.10": {"server": "2.51.0", "python": "3.10", "cuda": "12.6", "fixed_json_shape_crash": False},
+    "26.07": {"server": "2.71.0", "python": "3.12", "cuda": "13.3", "fixed_json_shape_crash": True},
+}
+# The option and its value in every server command (Dockerfile CMD, compose, k8s, run.sh).
+MAX_INPUT_FLAG = "--http-max-input-size"
 # Import name -> distribution, where they differ.
 DISTRIBUTIONS = {"PIL": "pillow", "onnxruntime": "onnxruntime-gpu"}
 # The manifests are validated against this release's API schemas (the kubernetes-validate 1.37.0 wheel
@@ -127,9 +136,8 @@ def test_dockerfile_passes_hadolint_when_linted(tmp_path):
 def test_dockerfile_is_refused_by_hadolint_when_cmd_is_shell_form(tmp_path):
     broken = tmp_path / "Dockerfile"
     text = (DOCKER / "Dockerfile").read_text()
-    assert 'CMD ["tritonserver", "--model-repository=/models"]' in text
-    broken.write_text(text.replace('CMD ["tritonserver", "--model-repository=/models"]',
-                                   "CMD tritonserver --model-repository=/models"))
+    (line,) = re.findall(r'^CMD \["tritonserver", .*\]$', text, re.M)
+    broken.write_text(text.replace(line, "CMD " + " ".join(json.loads(line.removeprefix("CMD ")))))
     result = _hadolint(broken, tmp_path)
     assert result.returncode != 0 and "DL3025" in result.stdout, result.stdout + result.stderr
 
@@ -247,10 +255,42 @@ def test_dockerfile_base_image_is_a_known_release_when_read():
     assert "FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3" in (DOCKER / "Dockerfile").read_text()
 
 
+def test_dockerfile_base_image_refuses_the_huge_json_shape_when_read():
+    release = TRITON_RELEASES[_dockerfile_args()["TRITON_VERSION"]]
+    assert release["fixed_json_shape_crash"], "this release aborts on a ~100-byte JSON request (README, security)"
+    assert tuple(map(int, release["server"].split("."))) >= (2, 59, 0)  # 25.06: --http-max-input-size exists
+
+
+def _server_commands() -> dict[str, list[str]]:
+    """Every tritonserver command line docker/ starts, as argument lists."""
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    (cmd,) = re.findall(r"^CMD (\[.*\])$", dockerfile, re.M)
+    script = (DOCKER / "run.sh").read_text().replace("\\\n", " ")
+    (run,) = [line.split()[line.split().index("tritonserver"):] for line in script.splitlines()
+              if line.startswith("exec docker run ")]  # its GPU-only ${flags[@]...} last: not compared
+    return {"Dockerfile": json.loads(cmd), "compose.yaml": _compose()["command"],
+            "k8s/triton.yaml": _container()["args"], "run.sh": run}
+
+
+def test_server_commands_bound_http_input_size_alike_when_read():
+    values = {}
+    for where, command in _server_commands().items():
+        assert command[:2] == ["tritonserver", "--model-repository=/models"], where
+        values[where] = [arg.partition("=")[2] for arg in command if arg.split("=")[0] == MAX_INPUT_FLAG]
+    (value,) = {tuple(found) for found in values.values()}  # one value, the same in every file
+    assert len(value) == 1, values
+    # 2 x the proxy's default body cap: FP32 JSON needs >= 2 body bytes per 4-byte element (Dockerfile).
+    assert int(value[0]) == 2 * ProxySettings.__dataclass_fields__["max_body_bytes"].default
+
+
 def test_dockerfile_installs_the_requirements_file_when_built():
     dockerfile = (DOCKER / "Dockerfile").read_text()
     (target,) = re.findall(r"^COPY docker/requirements-container\.txt (\S+)$", dockerfile, re.M)
-    assert re.search(rf"^RUN python3 -m pip install --no-cache-dir -r {re.escape(target)}\b", dockerfile, re.M)
+    install = re.search(rf"^RUN python3 -m pip install --no-cache-dir -r {re.escape(target)}\b", dockerfile, re.M)
+    assert install
+    # Ubuntu 24.04's python3 is EXTERNALLY-MANAGED (PEP 668): pip installs into it only when told to.
+    (allowed,) = re.finditer(r"^ENV PIP_BREAK_SYSTEM_PACKAGES=1$", dockerfile, re.M)
+    assert allowed.start() < install.start()
 
 
 def test_container_requirements_are_exact_pins_when_read():
@@ -261,9 +301,13 @@ def test_container_requirements_are_exact_pins_when_read():
 
 def test_container_torch_cuda_tag_matches_the_container_cuda_when_read():
     pins, options = _pins()
-    tag = "cu" + _dockerfile_args()["CONTAINER_CUDA"].replace(".", "")  # 12.6 -> cu126
+    args = _dockerfile_args()
+    tag = "cu" + args["TORCH_CUDA"].replace(".", "")  # 13.0 -> cu130
     assert pins["torch"].endswith("+" + tag) and pins["torchvision"].endswith("+" + tag)
     assert options == [f"--extra-index-url https://download.pytorch.org/whl/{tag}"]
+    # CUDA minor-version compatibility: a build for 13.0 runs where 13.3 does, not the other way round.
+    (torch_major, torch_minor), (major, minor) = (map(int, args[k].split(".")) for k in ("TORCH_CUDA", "CONTAINER_CUDA"))
+    assert torch_major == major and torch_minor <= minor
 
 
 def test_container_torchvision_pairs_with_torch_when_read():
