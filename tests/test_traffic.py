@@ -99,3 +99,17 @@ def test_serve_repo_killed_under_traffic_comes_back_when_restarted(repository, s
     assert set(run["stubs_new"]) == {f"{SMALL}_0_0", f"{SMALL}_preprocess_0_0"}, run
     assert run["old_stubs_left"] == [], run  # the new start ends the killed server's stubs, even hung ones
     assert run["ok"] > run["failed"], run
+
+
+def test_tritonserver_killed_under_traffic_through_the_proxy_fails_no_request_sent_after_the_kill(
+        repository, small_model, tmp_path):
+    """drills.traffic --proxy: tritonserver SIGKILLed while requests arrive on the four streams through the proxy;
+    those sent after the kill are held (or sent again) and answered once serve-repo has restarted it."""
+    repo = _repo(repository, tmp_path, 1)
+    run = traffic.drill(repo, SMALL, "tritonserver_killed", reference_logits(small_model, image(0)), rate=8,
+                        watch=20, flags=("--proxy", "on"))
+    print(run)
+    assert any("tritonserver died" in line for line in run["log"]), run  # the fault happened
+    assert run["failed_sent_after_fault"] == 0, run
+    assert run["lost"] == 0 and run["wrong"] == 0, run
+    assert run["recovery_s"] is not None and run["ok"] > 0, run
