@@ -13,11 +13,6 @@
 
 local MAX_DEPTH = 64
 
-local function refuse(txn, status, rule, why)
-  local body = string.format('{"error":"proxy rule %s: %s"}', rule, (why:gsub('[%c\\"]', "'")))
-  txn:done(txn:reply({status = status, headers = {["content-type"] = {"application/json"}}, body = body}))
-end
-
 -- A strict JSON parser (RFC 8259: no comments, NaN, trailing commas or duplicate keys), so that what is checked
 -- here is what Triton's parser reads: an object with a key twice, or any JSON it would read another way, is
 -- refused rather than guessed at.
@@ -193,11 +188,41 @@ local function header(txn, name)
   return values and values[0]
 end
 
+local GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+-- HTTP statuses as gRPC status codes (UNAUTHENTICATED, RESOURCE_EXHAUSTED, INVALID_ARGUMENT, FAILED_PRECONDITION).
+local GRPC_STATUS = {[401] = "16", [413] = "8", [400] = "3", [411] = "9"}
+
+local function refuse(txn, status, rule, why)
+  why = string.format("proxy rule %s: %s", rule, (why:gsub('[%c\\"%%]', "'")))
+  if (header(txn, "content-type") or ""):find("^application/grpc") then
+    -- A gRPC client reads its error from grpc-status / grpc-message (a "trailers-only" answer), not a body.
+    txn:done(txn:reply({status = 200, headers = {["content-type"] = {"application/grpc"},
+      ["grpc-status"] = {GRPC_STATUS[status] or "2"}, ["grpc-message"] = {why}}}))
+  else
+    local body = string.format('{"error":"%s"}', why)
+    txn:done(txn:reply({status = status, headers = {["content-type"] = {"application/json"}}, body = body}))
+  end
+end
+
+local MAX_BODY = tonumber(os.getenv("PROXY_MAX_BODY") or "")
+
+-- A unary gRPC inference request is one message: 1 byte (compressed?) and its length, 4 bytes big-endian, then
+-- the message. HTTP/2 has no Content-Length to cap, the message says its own length.
+local function grpc_problem(txn)
+  local head = txn:get_var("txn.inspect") or ""
+  if #head < 5 then return 400, "grpc-message", "the request does not start with a gRPC message header" end
+  local length = string.unpack(">I4", head, 2)
+  if MAX_BODY and length > MAX_BODY then
+    return 413, "body-limit", string.format("a gRPC message of %d bytes, over %d", length, MAX_BODY)
+  end
+end
+
 -- Nothing where the request may pass, else (HTTP status, rule, why).
 local function check(txn)
   if EXPECTED and header(txn, "authorization") ~= EXPECTED then
     return 401, "token", "missing or wrong 'authorization: Bearer' token"
   end
+  if txn.f:path() == GRPC_INFER then return grpc_problem(txn) end
   if txn.f:method() ~= "POST" or not txn.f:path():match("/infer$") then return end  -- gRPC: .../ModelInfer
   local length = tonumber(header(txn, "content-length") or "")
   if not length then

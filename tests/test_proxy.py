@@ -144,6 +144,32 @@ def test_proxy_caps_the_body_when_it_is_larger_than_configured(proxy):
     with pytest.raises(InferenceServerException, match="body-limit"):
         httpclient.InferenceServerClient(proxy.http_url).infer(SMALL, [big])
 
+def _inferences(server) -> int:
+    stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics(SMALL)
+    return int(stats["model_stats"][0]["inference_count"])
+
+
+def test_proxy_caps_a_grpc_message_by_the_length_it_declares_when_larger_than_configured(server, proxy, tmp_path):
+    # HTTP/2 has no Content-Length: the guard reads the gRPC message's own length and answers as gRPC does.
+    capped = _proxy(server, tmp_path, max_body_bytes=300_000)  # under one 602 KB image, which the buffer holds
+    try:
+        grpc = grpcclient.InferenceServerClient(capped.grpc_url)
+        with pytest.raises(InferenceServerException) as refused:
+            grpc.infer(SMALL, [_tensor(grpcclient)])
+        assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
+        assert "proxy rule body-limit: a gRPC message of 602" in str(refused.value)
+        assert grpc.infer(f"{SMALL}_image", [_image(grpcclient)]).as_numpy("LOGITS").shape == (1, 1000)
+    finally:
+        capped.stop()
+    # Beyond the buffer the refusal may reach the client while it still sends (then gRPC says CANCELLED):
+    # either way Triton never sees the request.
+    before = _inferences(server)
+    grpc = grpcclient.InferenceServerClient(proxy.grpc_url)
+    with pytest.raises(InferenceServerException, match="RESOURCE_EXHAUSTED|CANCELLED"):
+        grpc.infer(SMALL, [_tensor(grpcclient, 4)])  # 2.4 MB > the fixture's 2 MiB
+    assert _inferences(server) == before
+    assert grpc.infer(SMALL, [_tensor(grpcclient, 3)]).as_numpy("LOGITS").shape == (3, 1000)  # 1.8 MB passes
+
 
 def test_proxy_limits_one_clients_rate_when_it_sends_more_than_allowed(server, tmp_path):
     limited = _proxy(server, tmp_path, rate_per_10s=5)
@@ -175,7 +201,7 @@ def test_proxy_answers_401_without_the_token_and_serves_with_it_when_a_token_is_
                                                                           headers=bearer())
         assert answer.as_numpy("LOGITS").shape == (1, 1000)
         grpc = grpcclient.InferenceServerClient(guarded.grpc_url)
-        with pytest.raises(InferenceServerException, match="UNAUTHENTICATED|401"):
+        with pytest.raises(InferenceServerException, match="UNAUTHENTICATED.*proxy rule token"):
             grpc.infer(SMALL, [_tensor(grpcclient)])
         assert grpc.infer(SMALL, [_tensor(grpcclient)], headers=bearer()).as_numpy("LOGITS").shape == (1, 1000)
     finally:
