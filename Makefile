@@ -1,9 +1,10 @@
-# Two entry points on a fresh machine: `make demo` (build ResNet-152, serve it, classify) and `make test`.
+# Two entry points on a fresh machine: `make demo` (build ResNet-152, serve it, classify) and `make test`;
+# `make docs` builds the documentation site into docs/_build/html.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test docs clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +23,11 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Strict: any warning (a broken reference, a page missing from the toctree) fails the build.
+docs: setup
+	$(BIN)/python -m sphinx -W --keep-going -n -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
 
 clean:
 	rm -rf $(VENV) model_repository/*/

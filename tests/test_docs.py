@@ -1,4 +1,4 @@
-"""The docs as a reader meets them: links and paths that resolve, results without machine paths, an exact map."""
+"""The docs as a reader meets them: links and paths that resolve, results without machine paths, exact maps."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ NOT_OURS = {".git", ".venv", "build", "__pycache__", ".pytest_cache"}
 RESULTS = ("perf/results", "drills/results")
 # Where a run's machine leaves its mark: home folders, temp folders, this project's checkouts, system trees.
 MACHINE_PATHS = (b"/root/", b"/tmp/", b"/home/", b"/work/", b"/Users/", b"/usr/", b"/opt/", b"/mnt/")
-# Rooms whose every module the README's map must name.
+# Rooms whose every module the full map (docs/contributing.md) must name.
 ROOMS = ("common", "builder", "server", "backends", "clients", "perf", "drills", "examples", "tools")
 
 
@@ -27,7 +27,8 @@ def _files() -> list[Path]:
 
 
 def _markdown() -> list[Path]:
-    return [p for p in _files() if p.suffix == ".md"]
+    """Every Markdown file git knows, and the site's pages even before they are committed."""
+    return sorted({p for p in _files() if p.suffix == ".md"} | set((ROOT / "docs").glob("*.md")))
 
 
 def _prose(text: str) -> str:
@@ -58,11 +59,13 @@ def test_repository_paths_in_inline_code_exist_when_the_docs_are_read():
     CHANGELOG.md is history and names paths of its time."""
     tops = {p.relative_to(ROOT).parts[0] for p in _files() if len(p.relative_to(ROOT).parts) > 1}
     tops.discard("model_repository")  # its model folders are generated, never committed
+    generated = ("docs/_build",)  # make docs writes the site there; git ignores it
     missing = []
     for md in [md for md in _markdown() if md.name != "CHANGELOG.md"]:
         for span in re.findall(r"`([^`\s]+)`", md.read_text()):
             path = span.split("::", 1)[0].rstrip(":,.")
-            if "/" not in path or path.split("/", 1)[0] not in tops or not re.search(r"\.\w+$|/$|\*", path):
+            if "/" not in path or path.split("/", 1)[0] not in tops or not re.search(r"\.\w+$|/$|\*", path) \
+                    or path.startswith(generated):
                 continue
             if not list(ROOT.glob(path.rstrip("/"))):
                 missing.append(f"{md.relative_to(ROOT)}: {span}")
@@ -77,10 +80,10 @@ def test_results_carry_no_machine_path_when_committed(folder):
     assert not found, "machine paths in committed results:\n" + "\n".join(found)
 
 
-def _readme_map() -> dict[str, set[str]]:
-    """The README's map: top-level name -> the names listed under it (two-space indent, first word)."""
-    section = re.search(r"^## The map\n(.*?)^## ", (ROOT / "README.md").read_text(), flags=re.S | re.M)
-    assert section, "README.md has a '## The map' section"
+def _map(doc: str) -> dict[str, set[str]]:
+    """A document's map: top-level name -> the names listed under it (two-space indent, first word)."""
+    section = re.search(r"^## The map\n(.*?)(?:^## |\Z)", (ROOT / doc).read_text(), flags=re.S | re.M)
+    assert section, f"{doc} has a '## The map' section"
     entries: dict[str, set[str]] = {}
     current = None
     for line in section.group(1).splitlines():
@@ -97,15 +100,25 @@ def _readme_map() -> dict[str, set[str]]:
     return entries
 
 
-def test_readme_map_names_every_folder_and_module_when_read():
-    entries = _readme_map()
+def _top_folders() -> set[str]:
+    return {p.relative_to(ROOT).parts[0] for p in _files()
+            if len(p.relative_to(ROOT).parts) > 1 and not p.relative_to(ROOT).parts[0].startswith(".")}
+
+
+def test_contributing_map_names_every_folder_and_module_when_read():
+    entries = _map("docs/contributing.md")
     named = [top + child for top, children in entries.items() for child in [""] + sorted(children)]
     assert not [n for n in named if not (ROOT / n).exists()], "the map names what does not exist"
-    folders = {p.relative_to(ROOT).parts[0] for p in _files()
-               if len(p.relative_to(ROOT).parts) > 1 and not p.relative_to(ROOT).parts[0].startswith(".")}
-    assert folders <= {top.split("/")[0] for top in entries}, "top-level folders missing from the map"
+    assert _top_folders() <= {top.split("/")[0] for top in entries}, "top-level folders missing from the map"
     unnamed = [p.relative_to(ROOT).as_posix() for p in _files()
                if p.relative_to(ROOT).parts[0] in ROOMS and len(p.relative_to(ROOT).parts) == 2
                and p.suffix in (".py", ".sh") and p.name != "__init__.py"
                and p.name not in entries.get(p.relative_to(ROOT).parts[0] + "/", set())]
     assert not unnamed, f"modules the map does not name: {unnamed}"
+
+
+def test_readme_short_map_names_every_top_level_folder_when_read():
+    entries = _map("README.md")
+    assert not [top for top in entries if not (ROOT / top).exists()], "the README's map names what does not exist"
+    missing = _top_folders() - {top.split("/")[0] for top in entries}
+    assert not missing, f"top-level folders missing from the README's map: {sorted(missing)}"

@@ -30,9 +30,13 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    from common.cli import OneLineParser
+
+    p = OneLineParser(prog="python -m tools.proxy_configmap", description=__doc__)
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if it differs. Default: off.")
+    args = p.parse_args(argv)
     text = render()
-    if "--check" in argv:
+    if args.check:
         if TARGET.read_text() != text:
             print(f"{TARGET.relative_to(ROOT)} differs from proxy/: run python -m tools.proxy_configmap")
             return 1
