@@ -109,7 +109,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-size", metavar="N", type=_non_negative,
                    help="requests that may wait for a batch; more are rejected at once (UNAVAILABLE, "
                         "'Exceeds maximum queue size'). 0 is unbounded. Any bound (or timeout) turns Triton 2.51's "
-                        "prefetching off: at low load a request can then wait 500 ms (README). "
+                        "prefetching off: at low load a request can then wait 500 ms (docs/performance.md). "
                         f"Default: {cpu.max_queue_size} (cpu), {gpu.max_queue_size} (gpu).")
     p.add_argument("--queue-timeout-ms", metavar="MS", dest="queue_timeout_us", type=_delay_ms,
                    help="longest a request may wait in the queue before --timeout-action; 0: no timeout. "
@@ -153,7 +153,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-device", choices=("cpu", "gpu"), default=None,
                    help="where JPEGs are decoded. With the ensemble, gpu (with --kind gpu) runs NAME_preprocess on "
                         "GPU instances and hands IMAGE over in GPU memory (EXPERIMENTAL: a GPU tensor handed between "
-                        "stubs is not yet shown to work, README, GPU). With fused, cpu decodes with PIL only. "
+                        "stubs is not yet shown to work, docs/performance.md, GPU). With fused, cpu decodes with PIL only. "
                         "Default: gpu for a fused model on GPU, else cpu.")
     p.add_argument("--num-threads", metavar="N", type=_non_negative, default=0,
                    help="engine threads per CPU instance; 0: the engine's default (openvino: every core, one "
@@ -163,7 +163,7 @@ def parser() -> argparse.ArgumentParser:
                         "NAME_torchscript for the NGC container's native backends. Default: python.")
     p.add_argument("--engine", choices=("auto", *ENGINES), default="auto",
                    help="what the python backend runs; auto: openvino on CPU (the fastest measured on every CPU "
-                        "we served on, see README), torch on GPU. Default: auto.")
+                        "we served on, docs/engines.md), torch on GPU. Default: auto.")
     p.add_argument("--verify", action="store_true",
                    help="run every export in-process against eager torch; fail above 1e-4. Default: off.")
     p.add_argument("--force", action="store_true", help="replace existing model directories. Default: off.")

@@ -18,16 +18,9 @@ import torch
 from common.cli import OneLineParser
 
 SAMPLE = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
-EFFICIENTNET_MODEL = '''"""EfficientNet-Lite0 in TorchServe's convention: one nn.Module class with a no-argument constructor."""
-from efficientnet_lite_pytorch import EfficientNet
-from efficientnet_lite_pytorch.utils import get_model_params
-
-
-class EfficientNetLite0(EfficientNet):
-    def __init__(self):
-        blocks_args, global_params = get_model_params("efficientnet-lite0", None)
-        super().__init__(blocks_args, global_params)
-'''
+# A model file as a TorchServe user has one (build-repo --model-file, the .mar's model.py, the offline demo).
+EFFICIENTNET_FILE = Path(__file__).resolve().parent / "efficientnet_lite0.py"
+EFFICIENTNET_MODEL = EFFICIENTNET_FILE.read_text()
 
 
 def torchserve_labels(names: list[str]) -> dict:

@@ -11,7 +11,7 @@ from server.errors import ServerError
 def pytriton_root() -> Path:
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise ServerError("nvidia-pytriton is not installed: `pip install nvidia-pytriton==0.7.0` (see README)")
+        raise ServerError("nvidia-pytriton is not installed: `pip install nvidia-pytriton==0.7.0` (make setup does)")
     root = Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
     if not (root / "bin" / "tritonserver").is_file():
         raise ServerError(f"no tritonserver binary at {root / 'bin' / 'tritonserver'}")
