@@ -1,7 +1,10 @@
-"""The argument parser every command shares: a bad argument is one line on stderr and status 2."""
+"""What every command shares: the argument parser (a bad argument is one line on stderr and status 2) and the
+writing of a command's JSON result."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -13,3 +16,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message):  # argparse would print the whole usage first
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def write_result(result: dict, out: Path | None) -> str:
+    """`result` as indented JSON, also written to `out` (its folder made) when one is given."""
+    text = json.dumps(result, indent=1)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    return text

@@ -7,7 +7,6 @@ tests/test_supervisor.py runs each drill once and checks its outcome; this scrip
 the figures."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from common.cli import OneLineParser
+from common.cli import OneLineParser, write_result
 from common.precision import TOLERANCE as TOLERANCES
 from drills.serve import ServeRepo
 from server.procfs import remove_stale, stubs_of
@@ -264,10 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                           ("kill_9_serve_repo", lambda: kill_9_serve_repo(repo))):
             results[name] = run()
             print(name, results[name], flush=True)
-    text = json.dumps(results, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    text = write_result(results, args.out)
     print(text)
     return 0
 

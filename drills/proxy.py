@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cli import OneLineParser
+from common.cli import OneLineParser, write_result
 from drills.faults import CRASHING_BODY, image
 from drills.serve import ServeRepo
 from drills.traffic import STREAMS, capacity, drill, infer, kill_tritonserver, references
@@ -133,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             run["server_restarts"] = sum("tritonserver died" in line for line in run["log"])
             print(json.dumps(run), flush=True)
             results["runs"].append(run)
-    text = json.dumps(results, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_result(results, args.out)
     return 0
 
 

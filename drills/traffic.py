@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cli import OneLineParser
+from common.cli import OneLineParser, write_result
 from drills.faults import CRASHING_BODY, TOLERANCE, image
 from drills.outcomes import Outcome, summary
 from drills.serve import ServeRepo
@@ -339,10 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                 run["load"] = share
                 print(json.dumps(run), flush=True)
                 results["runs"].append(run)
-    text = json.dumps(results, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    write_result(results, args.out)
     return 0
 
 

@@ -9,7 +9,6 @@ resized to 3000x2000 with noise, quality 95), both scans checked to give the sam
 from __future__ import annotations
 
 import io
-import json
 import platform
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from common.cli import OneLineParser
+from common.cli import OneLineParser, write_result
 
 
 def before_per_byte_end(data: bytes) -> int | None:
@@ -102,10 +101,7 @@ def main(argv: list[str] | None = None) -> int:
               "after": "common.decoding._jpeg_end: one compiled re search per scan",
               "large_jpeg": f"the sample resized to {width}x{height}, +-{args.noise} levels of noise, quality 95",
               "scans_per_image_tensor_path": {"before": 2, "after": 1}, "images": rows}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    text = write_result(result, args.out)
     print(text)
     return 0
 

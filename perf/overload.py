@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cli import OneLineParser
+from common.cli import OneLineParser, write_result
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -116,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     bound_ms = args.queue_timeout_ms
     result = {"model": args.model, "build_flags": flags[6:], "capacity_req_per_s": round(capacity, 1),
               "queue_timeout_ms": bound_ms, "server_ready_after": ready, "levels": levels}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print(write_result(result, args.out))
     lost = sum(level["sent"] - level["answered"] for level in levels)
     return 0 if ready and not lost else 1
 

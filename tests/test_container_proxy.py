@@ -5,14 +5,13 @@ through the proxy. Checked here, with the real HAProxy's own configuration check
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from server.proxy import PROXY_DIR, Proxy, ProxySettings
+from server.proxy import PROXY_DIR, Proxy, ProxySettings, haproxy_binary
 from support import ROOT
 from test_container_files import DOCKER, _compose, _container, _kind
 from tools import proxy_configmap
@@ -37,11 +36,9 @@ def _port(address: str) -> int:
 
 def _haproxy_check(env: dict[str, str]) -> subprocess.CompletedProcess:
     """HAProxy's own check of proxy/haproxy.cfg with a deployment's environment (its files from here)."""
-    binary = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
-    assert binary, "haproxy not found: `make setup` installs it (tools/install_proxy.sh)"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PROXY_", "TRITON_"))},
            **env, "PROXY_DIR": str(PROXY_DIR)}
-    return subprocess.run([binary, "-c", "-f", str(CONFIG)], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([haproxy_binary(), "-c", "-f", str(CONFIG)], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_proxy_config_reads_the_same_variables_everywhere_when_compared():
@@ -99,8 +96,7 @@ def test_both_deployments_run_one_haproxy_image_of_the_branch_setup_installs_whe
     images = {_compose("proxy")["image"], _container("proxy")["image"]}
     (image,) = images
     assert re.fullmatch(r"haproxy:\d+\.\d+\.\d+", image), "a patch release, not a moving tag"
-    installed = subprocess.run([shutil.which("haproxy") or "/usr/sbin/haproxy", "-v"], capture_output=True,
-                               text=True).stdout
+    installed = subprocess.run([haproxy_binary(), "-v"], capture_output=True, text=True).stdout
     branch = re.search(r"version (\d+\.\d+)\.", installed).group(1)
     assert image.split(":")[1].startswith(branch + ".")
 
