@@ -11,7 +11,7 @@ from pathlib import Path
 from common.cli import OneLineParser
 from server.proxy import Proxy, ProxySettings, exposed
 from server.supervisor import Supervisor
-from server.repo import GPU_FLAGS
+from server.repo import GPU_FLAGS, in_flight
 from server.triton import ServerError, TritonServer
 
 
@@ -43,6 +43,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-limit", metavar="N", type=int, default=50_000,
                    help="requests one client address may send through the proxy in 10 s (429 beyond). "
                         "Default: 50000.")
+    p.add_argument("--max-in-flight", metavar="N", type=int,
+                   help="inference requests the proxy lets reach Triton at once, per port; the rest wait in the "
+                        "proxy's queue. Default: twice every instance's max_batch_size, summed over the "
+                        "repository's models (16 at least).")
+    p.add_argument("--queue-ms", metavar="MS", type=int, default=500,
+                   help="overload: a request that would expect to wait longer than this in the proxy's queue (at "
+                        "the rate Triton answers now) is refused at once with 503 (gRPC UNAVAILABLE), rule "
+                        "overload; none waits there over twice this. Default: 500.")
     p.add_argument("--model-control", choices=("none", "explicit"), default="none",
                    help="explicit: models may be (re)loaded live through the repository API (perf.tune "
                         "uses it). none: the repository API needs a key only serve-repo holds. The server "
@@ -72,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if min(args.drain_seconds, args.max_restarts, args.max_unfreed_instances) < 0:
         p.error("--drain-seconds, --max-restarts and --max-unfreed-instances must be >= 0")
+    if args.max_in_flight is not None and args.max_in_flight < 1 or args.queue_ms < 1:
+        p.error("--max-in-flight and --queue-ms must be >= 1")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
     use_proxy = args.proxy == "on" or args.proxy == "auto" and exposed(args.host)
     if not use_proxy and (args.tls_cert or args.tls_key or args.token_file):
@@ -82,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         server = TritonServer.local(args.repository, model_control=args.model_control, log_file=args.log_file,
                                     extra_args=extra, drain_seconds=args.drain_seconds)
         settings = ProxySettings(args.host, args.http_port, args.grpc_port, int(args.max_body_mb * (1 << 20)),
-                                 args.rate_limit, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                 args.rate_limit, max_in_flight=args.max_in_flight or in_flight(args.repository),
+                                 queue_ms=args.queue_ms, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                  token_file=args.token_file)
     else:
         server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,

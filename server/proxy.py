@@ -30,6 +30,13 @@ class ProxySettings:
     max_body_bytes: int = 8 << 20
     rate_per_10s: int = 50_000
     retries: int = 15
+    # Overload: inference requests at Triton at once (per port), and how long the rest may expect to wait in the
+    # proxy's queue before they are refused at once (503, rule overload); none waits there over 2x that.
+    max_in_flight: int = 32
+    queue_ms: int = 500
+    # Connections: all of them, and one client address's (each may pin a 1 MB buffer).
+    max_connections: int = 512
+    connections_per_client: int = 64
     tls_cert: Path | None = None
     tls_key: Path | None = None
     token_file: Path | None = None
@@ -68,7 +75,10 @@ class Proxy:
         s = self.settings
         env = {"PROXY_DIR": str(PROXY_DIR), "PROXY_HTTP_BIND": _bind(s.host, s.http_port),
                "PROXY_GRPC_BIND": _bind(s.host, s.grpc_port), "PROXY_MAX_BODY": str(s.max_body_bytes),
-               "PROXY_RATE_10S": str(s.rate_per_10s), "PROXY_RETRIES": str(s.retries), **self.upstream}
+               "PROXY_RATE_10S": str(s.rate_per_10s), "PROXY_RETRIES": str(s.retries),
+               "PROXY_MAX_IN_FLIGHT": str(s.max_in_flight), "PROXY_QUEUE_MS": str(s.queue_ms),
+               "PROXY_QUEUE_TIMEOUT": f"{2 * s.queue_ms}ms", "PROXY_MAXCONN": str(s.max_connections),
+               "PROXY_CONN_PER_CLIENT": str(s.connections_per_client), **self.upstream}
         if s.tls_cert is not None:
             env["PROXY_TLS_PEM"] = str(self._pem())
         if s.token_file is not None:

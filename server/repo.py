@@ -71,6 +71,24 @@ def fingerprint(model_dir: Path) -> tuple:
     return tuple(files)
 
 
+def in_flight(repository: Path, least: int = 16) -> int:
+    """How many inference requests the proxy lets reach Triton at once for `repository`: enough to fill every
+    instance's batch twice over (one batch running, the next one forming in Triton's dynamic batcher), summed
+    over the models that run (ensembles only route), and `least` at least. The rest wait in the proxy's queue,
+    where overload is refused at once instead of piling up in Triton's unbounded one."""
+    total = 0
+    for config_path in Path(repository).glob("*/config.pbtxt"):
+        try:
+            config = read_config(config_path)
+        except Exception:  # noqa: BLE001 - Triton itself reports a config it cannot parse
+            continue
+        if config.platform == "ensemble":
+            continue
+        instances = sum(max(1, group.count) for group in config.instance_group) or 1
+        total += 2 * max(1, config.max_batch_size) * instances
+    return max(least, total)
+
+
 def uses_gpu(repository: Path) -> bool:
     for config_path in Path(repository).glob("*/config.pbtxt"):
         try:  # a config Triton cannot parse is reported by Triton itself

@@ -53,6 +53,9 @@ def test_deployments_keep_serve_repos_proxy_limits_when_read(where):
     env = _compose_env() if where == "compose" else _k8s_env()
     assert (int(env["PROXY_MAX_BODY"]), int(env["PROXY_RATE_10S"]), int(env["PROXY_RETRIES"])) == (
         DEFAULTS.max_body_bytes, DEFAULTS.rate_per_10s, DEFAULTS.retries)
+    serve_repo = Proxy(DEFAULTS, "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", Path("/nonexistent")).environment()
+    for name in ("PROXY_QUEUE_MS", "PROXY_QUEUE_TIMEOUT", "PROXY_MAXCONN", "PROXY_CONN_PER_CLIENT"):
+        assert env[name] == serve_repo[name], name
 
 
 @pytest.mark.parametrize("where", ["compose", "k8s"])

@@ -70,18 +70,30 @@ def _image(module):
     return tensor
 
 
-def _dims(shape: str) -> bytes:
-    return b'{"inputs":[{"name":"IMAGE","shape":%s,"datatype":"FP32","data":[1,2,3]}]}' % shape.encode()
+def _dims(shape: str, datatype: str = "FP32", name: str = "IMAGE", data: str = "[1,2,3]") -> bytes:
+    return b'{"inputs":[{"name":"%s","shape":%s,"datatype":"%s","data":%s}]}' % (
+        name.encode(), shape.encode(), datatype.encode(), data.encode())
+
+
+# The 90 bytes: a 0 dim made the old guard's product 0; Triton reads the other dim as int64 -1 and aborts.
+WRAPPING_BODY = b'{"inputs":[{"name":"IMAGE","shape":[0,18446744073709551615],"datatype":"FP32","data":[]}]}'
 
 
 @pytest.mark.parametrize("body, status, rule", [
-    (CRASHING_BODY, 400, "shape-within-body"),
-    (_dims("[1,3,224,224]"), 400, "shape-within-body"),                  # 150528 elements in ~90 bytes
+    (WRAPPING_BODY, 400, "shape"),
+    (CRASHING_BODY, 400, "shape"),                                       # a batch over max_batch_size
+    (_dims("[1,3,224,224]"), 400, "data-size"),                          # 150528 elements, 3 values
+    (_dims("[1,3]"), 400, "shape"),                                      # not the model's dims
+    (_dims("[2,3,224,225]"), 400, "shape"),
+    (_dims("[1,3,224,224]", "FP16"), 400, "datatype"),
+    (_dims("[1,3,224,224]", name="PIXELS"), 400, "inputs"),
     (b'{"inputs":[{"name":"IMAGE","shape":[1],"sh\\u0061pe":[99999999999],"datatype":"FP32"}]}', 400, "json"),
-    (_dims("[1,3,224,224.0]"), 400, "shape-within-body"),                # Triton reads dims as int64
-    (_dims("[1,3,2e9]"), 400, "shape-within-body"),
-    (_dims("[1,-3]"), 400, "shape-within-body"),
-    (b'{"inputs":[{"name":"IMAGE","shape":{"0":1},"datatype":"FP32"}]}', 400, "shape-within-body"),
+    (_dims("[1,3,224,224.0]"), 400, "shape"),                            # Triton reads dims as int64
+    (_dims("[1,3,2e9]"), 400, "shape"),
+    (_dims("[1,-3]"), 400, "shape"),
+    (b'{"inputs":[{"name":"IMAGE","shape":{"0":1},"datatype":"FP32","data":[]}]}', 400, "shape"),
+    (b'{"inputs":[{"name":"IMAGE","shape":[1,3,224,224],"datatype":"FP32","parameters":'
+     b'{"shared_memory_region":"r","shared_memory_byte_size":602112}}]}', 400, "shared-memory"),
     (b'{"inputs":' + b"[" * 100 + b"]" * 100 + b"}", 400, "json"),       # nested beyond the parser's depth
     (b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}],}', 400, "json"),
     (b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}]} x', 400, "json"),
@@ -89,7 +101,7 @@ def _dims(shape: str) -> bytes:
     (b'{"inputs":[{"name":"IMAGE","shape":[1,50000],"datatype":"FP32","data":[' + b"1," * 49999 + b"1]}]}",
      413, "json-header"),
 ])
-def test_proxy_refuses_json_inference_naming_the_rule_when_the_shape_could_not_be_in_the_body(
+def test_proxy_refuses_inference_the_model_does_not_declare_naming_the_rule_when_posted_as_json(
         server, proxy, body, status, rule):
     pid = server.pid
     code, text = _post(f"http://{proxy.http_url}", f"/v2/models/{SMALL}/infer", body,
@@ -98,11 +110,86 @@ def test_proxy_refuses_json_inference_naming_the_rule_when_the_shape_could_not_b
     assert server.pid == pid and server.ready()  # never reached Triton, which never restarted
 
 
-def test_proxy_passes_an_honest_json_request_to_triton_when_its_shape_fits_the_body(proxy):
-    # Triton itself answers (400: the model wants [-1,3,224,224]): the guard let the request through.
+def _binary(shape: list, size: int, header_length: int | None = None) -> tuple[bytes, dict]:
+    header = json.dumps({"inputs": [{"name": "IMAGE", "shape": shape, "datatype": "FP32",
+                                     "parameters": {"binary_data_size": size}}]}).encode()
+    length = len(header) if header_length is None else header_length
+    return header + b"\0" * size, {"Inference-Header-Content-Length": str(length)}
+
+
+@pytest.mark.parametrize("shape, size, header_length, rule", [
+    ([1, 3, 224, 224], 602112 - 4, None, "data-size"),                   # a value short
+    ([2, 3, 224, 224], 602112, None, "data-size"),                       # the shape needs twice the bytes
+    ([0, 2 ** 64 - 1], 0, None, "shape"),
+    ([1, 3, 224, 224], 602112, 9, "json"),                               # the JSON part cut short
+    ([1, 3, 224, 224], 602112, 10 ** 9, "json-header"),
+])
+def test_proxy_refuses_binary_inference_whose_data_does_not_fit_the_declared_shape(server, proxy, shape, size,
+                                                                                   header_length, rule):
+    body, headers = _binary(shape, size, header_length)
+    code, text = _post(f"http://{proxy.http_url}", f"/v2/models/{SMALL}/infer", body, headers)
+    assert code in (400, 413) and json.loads(text)["error"].startswith(f"proxy rule {rule}:"), text
+
+
+def test_proxy_answers_404_naming_the_rule_when_the_model_is_not_served(proxy):
+    code, text = _post(f"http://{proxy.http_url}", "/v2/models/nosuch/infer", _dims("[1,3,224,224]"))
+    assert code == 404 and json.loads(text)["error"].startswith("proxy rule model: no model nosuch")
+
+
+def test_proxy_refuses_compressed_bodies_asking_for_them_uncompressed_when_tritonclient_sends_gzip(proxy):
+    client = httpclient.InferenceServerClient(proxy.http_url)
+    with pytest.raises(InferenceServerException, match="proxy rule compression:.*uncompressed") as refused:
+        client.infer(SMALL, [_tensor(httpclient)], request_compression_algorithm="gzip")
+    assert refused.value.status() == "415"
+    grpc = grpcclient.InferenceServerClient(proxy.grpc_url)
+    with pytest.raises(InferenceServerException, match="proxy rule compression") as refused:
+        grpc.infer(SMALL, [_tensor(grpcclient)], compression_algorithm="gzip")
+    assert refused.value.status() == "StatusCode.UNIMPLEMENTED"
+
+
+def _grpc_unary(target: str, request) -> tuple[str, str]:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=pb.ModelInferResponse.FromString)
+        try:
+            call(request, timeout=60)
+            return "OK", ""
+        except grpc.RpcError as error:
+            return error.code().name, error.details()
+
+
+@pytest.mark.parametrize("mutate, rule", [
+    (lambda r: r.inputs[0].shape.__setitem__(1, -1), "shape"),            # 2**64-1 as Triton's int64
+    (lambda r: r.inputs[0].shape.__setitem__(0, 9), "shape"),             # over max_batch_size
+    (lambda r: setattr(r.inputs[0], "datatype", "FP16"), "datatype"),
+    (lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 8), "data-size"),
+    (lambda r: r.raw_input_contents.append(b"\0" * 8), "data-size"),
+    (lambda r: setattr(r.inputs[0], "name", "PIXELS"), "inputs"),
+    (lambda r: r.inputs[0].parameters["shared_memory_region"].__setattr__("string_param", "r"), "shared-memory"),
+])
+def test_proxy_refuses_grpc_inference_the_model_does_not_declare_naming_the_rule(server, proxy, mutate, rule):
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=SMALL)
+    request.inputs.add(name="IMAGE", datatype="FP32", shape=[1, 3, 224, 224])
+    request.raw_input_contents.append(b"\0" * 602112)
+    assert _grpc_unary(proxy.grpc_url, request) == ("OK", "")  # honest, as built
+    before = _inferences(server)
+    mutate(request)
+    code, details = _grpc_unary(proxy.grpc_url, request)
+    assert (code, details.split(":")[0]) == ("INVALID_ARGUMENT", f"proxy rule {rule}"), details
+    assert _inferences(server) == before
+
+
+def test_proxy_passes_an_honest_json_request_to_triton_when_its_shape_fits_the_model(proxy):
+    # Triton itself answers (a batch of 0 holds no data, and Triton 2.51 wants some): the guard let it through.
     code, text = _post(f"http://{proxy.http_url}", f"/v2/models/{SMALL}/infer",
-                       b'{"inputs":[{"name":"IMAGE","shape":[1,3],"datatype":"FP32","data":[1,2,3]}]}')
-    assert code == 400 and "proxy rule" not in text and "unexpected shape" in text
+                       _dims("[0,3,224,224]", data="[]"))
+    assert code == 400 and "proxy rule" not in text and "byte size" in text
 
 
 def test_proxy_serves_tritonclient_http_grpc_image_path_and_curl_when_requests_are_honest(server, proxy):
@@ -306,7 +393,7 @@ def test_serve_repo_exposed_keeps_triton_private_behind_the_proxy_and_leaves_no_
         assert f"0.0.0.0:{serve.ports[0]} " in listening and f"0.0.0.0:{serve.ports[1]} " in listening
         pid = serve.triton_pid
         code, text = _post(f"http://127.0.0.1:{serve.ports[0]}", f"/v2/models/{SMALL}/infer", CRASHING_BODY)
-        assert code == 400 and "shape-within-body" in text
+        assert code == 400 and "proxy rule shape" in text
         assert serve.triton_pid == pid
         children = {child.name(): child.pid for child in psutil.Process(serve.process.pid).children()}
         assert set(children) == {"tritonserver", "haproxy"}

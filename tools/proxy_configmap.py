@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "proxy" / "haproxy.cfg", ROOT / "proxy" / "guard.lua"]
+SOURCES = [ROOT / "proxy" / "haproxy.cfg", ROOT / "proxy" / "guard.lua", ROOT / "proxy" / "grpc-overload.http"]
 TARGET = ROOT / "docker" / "k8s" / "proxy-config.yaml"
 NAME = "triton-classifier-proxy"
 
@@ -21,10 +21,11 @@ def render() -> str:
              "  labels: {app: triton-classifier}", "data:"]
     for source in SOURCES:
         text = source.read_text()
-        if not text.endswith("\n") or text.endswith("\n\n") or any(line != line.rstrip() for line in text.splitlines()):
-            raise SystemExit(f"{source}: a YAML literal block keeps it exactly only with one final newline and no "
+        if not text.endswith("\n") or any(line != line.rstrip() for line in text.splitlines()):
+            raise SystemExit(f"{source}: a YAML literal block keeps it exactly only with a final newline and no "
                              "trailing spaces")
-        lines.append(f"  {source.name}: |")
+        # "|+" keeps a file's final blank line (grpc-overload.http's, which ends an HTTP response's headers).
+        lines.append(f"  {source.name}: |{'+' if text.endswith(chr(10) * 2) else ''}")
         lines += [f"    {line}" if line else "" for line in text.splitlines()]
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,217 @@
+"""The proxy's bounds, each against a real tritonserver through real HAProxy: bodies only where they belong, HTTP/1.1
+only on the HTTP port, connections and rates per client across both ports, overload refused at once instead of
+queued without end, a request that kills Triton twice never sent to it again, and a fuzzed corpus of requests
+that never restarts Triton (drills/fuzz.py)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from drills import fuzz
+from drills.serve import ServeRepo
+from support import SMALL
+from test_proxy import _proxy, _tensor
+
+# A python model that sleeps `value` seconds for an input of `value` (< 100), and kills tritonserver (its stub's
+# parent) for 666: a request Triton takes and dies of, whatever its shape.
+PROBE = textwrap.dedent('''
+    import os, signal, time
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            responses = []
+            for request in requests:
+                x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+                if (x == 666).any():
+                    os.kill(os.getppid(), signal.SIGKILL)
+                time.sleep(float(x.max()) if x.max() < 100 else 0)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
+            return responses
+''')
+
+
+def _probe_repository(root: Path) -> Path:
+    repository = root / "probe-repo"
+    (repository / "probe" / "1").mkdir(parents=True)
+    (repository / "probe" / "1" / "model.py").write_text(PROBE)
+    (repository / "probe" / "config.pbtxt").write_text(textwrap.dedent('''
+        name: "probe"
+        backend: "python"
+        max_batch_size: 1
+        input [{ name: "X", data_type: TYPE_FP32, dims: [1] }]
+        output [{ name: "Y", data_type: TYPE_FP32, dims: [1] }]
+        instance_group [{ kind: KIND_CPU, count: 1 }]
+    '''))
+    return repository
+
+
+def _probe(module, value: float):
+    tensor = module.InferInput("X", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.array([[value]], dtype=np.float32))
+    return tensor
+
+
+def _raw(port: int, data: bytes, wait: float = 10) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        sock.sendall(data)
+        try:
+            return sock.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            return b""
+
+
+def test_proxy_refuses_a_body_on_a_non_inference_request_when_it_is_chunked(server, tmp_path):
+    proxy = _proxy(server, tmp_path)
+    try:
+        chunk = b"x" * 4096
+        request = (b"GET /v2/models/%s/config HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   b"%x\r\n%s\r\n0\r\n\r\n" % (SMALL.encode(), len(chunk), chunk))
+        reply = _raw(proxy.settings.http_port, request)
+        assert reply.startswith(b"HTTP/1.1 413") and b"proxy rule body-limit" in reply
+        with urllib.request.urlopen(f"http://{proxy.http_url}/v2/models/{SMALL}/config", timeout=30) as answer:
+            assert json.loads(answer.read())["name"] == SMALL  # without a body: served
+    finally:
+        proxy.stop()
+
+
+def test_proxy_speaks_only_http1_on_the_http_port_when_a_client_opens_cleartext_http2(server, tmp_path):
+    proxy = _proxy(server, tmp_path)
+    try:
+        reply = _raw(proxy.settings.http_port, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        # An HTTP/2 server answers the preface with a SETTINGS frame (type 4 in its 4th byte); HTTP/1.1 refuses.
+        assert not (len(reply) >= 4 and reply[3] == 4), reply[:32]
+        assert reply == b"" or reply.startswith(b"HTTP/1.1 400")
+    finally:
+        proxy.stop()
+
+
+def test_proxy_caps_one_clients_connections_when_it_opens_more_than_allowed(server, tmp_path):
+    proxy = _proxy(server, tmp_path, connections_per_client=3)
+    held = [socket.create_connection(("127.0.0.1", proxy.settings.http_port), timeout=10) for _ in range(6)]
+    served = 0
+    try:
+        for sock in held:
+            try:
+                sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n")
+                served += sock.recv(4096).startswith(b"HTTP/1.1 200")
+            except OSError:  # refused: closed at once
+                pass
+        assert 1 <= served <= 3
+    finally:
+        for sock in held:
+            sock.close()
+    try:  # the client's connections closed, it is served again
+        deadline = time.monotonic() + 30
+        while _raw(proxy.settings.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n")[:12] != b"HTTP/1.1 200":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        proxy.stop()
+
+
+def test_proxy_counts_one_clients_rate_over_both_ports_when_it_uses_http_and_grpc(server, tmp_path):
+    proxy = _proxy(server, tmp_path, rate_per_10s=5)
+    try:
+        http = httpclient.InferenceServerClient(proxy.http_url)
+        grpc = grpcclient.InferenceServerClient(proxy.grpc_url)
+        assert all(http.is_server_ready() for _ in range(3))
+        assert all(grpc.is_server_ready() for _ in range(2))
+        with pytest.raises(InferenceServerException):  # the 6th in 10 s, on the other port
+            grpc.is_server_ready()
+        with pytest.raises(InferenceServerException, match="rate-limit"):
+            http.infer(SMALL, [_tensor(httpclient)])
+    finally:
+        proxy.stop()
+
+
+def test_proxy_refuses_overload_at_once_naming_the_rule_when_triton_is_at_capacity(tmp_path, start_server):
+    triton = start_server(_probe_repository(tmp_path))
+    proxy = _proxy(triton, tmp_path, max_in_flight=1, queue_ms=100)
+    outcomes: list = []
+
+    def send(module, url):
+        try:
+            module.InferenceServerClient(url).infer("probe", [_probe(module, 1.0)])  # one second each
+            outcomes.append("answered")
+        except InferenceServerException as error:
+            outcomes.append(str(error))
+    try:
+        senders = [threading.Thread(target=send, args=(httpclient, proxy.http_url)) for _ in range(6)]
+        senders += [threading.Thread(target=send, args=(grpcclient, proxy.grpc_url)) for _ in range(6)]
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join(120)
+        refused = [o for o in outcomes if "proxy rule overload" in o]
+        # One at Triton and one queued per port at most, when every request came at once: the rest refused.
+        assert outcomes.count("answered") >= 2 and len(refused) >= 6, outcomes
+        assert len(refused) + outcomes.count("answered") == 12, [o for o in outcomes if "overload" not in o]
+        assert any("503" in o for o in refused) and any("UNAVAILABLE" in o for o in refused), refused
+        # Not refused once the queue has room again.
+        assert httpclient.InferenceServerClient(proxy.http_url).infer("probe", [_probe(httpclient, 0)])
+    finally:
+        proxy.stop()
+
+
+def test_proxy_never_sends_again_a_request_that_was_in_flight_at_two_deaths_of_triton(tmp_path):
+    serve = ServeRepo(_probe_repository(tmp_path), "--proxy", "on")
+    try:
+        http = lambda: httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports[0]}", network_timeout=120)  # noqa: E731
+        assert http().infer("probe", [_probe(httpclient, 0)]).as_numpy("Y").tolist() == [[0.0]]
+        with pytest.raises(InferenceServerException) as failed:  # it kills Triton, its replay the restarted one
+            http().infer("probe", [_probe(httpclient, 666)])
+        assert "502" in str(failed.value)  # the replay's answer: Triton died again while it ran
+        serve.wait_for("(restart 2)", 120)
+        deaths = sum("tritonserver died" in line for line in serve.lines)
+        assert deaths == 2, serve.lines[-10:]  # replayed once, not more
+        _wait_ready(serve)
+        pid = serve.triton_pid
+        with pytest.raises(InferenceServerException, match="proxy rule quarantine"):
+            http().infer("probe", [_probe(httpclient, 666)])
+        assert serve.triton_pid == pid and sum("tritonserver died" in line for line in serve.lines) == 2
+        assert http().infer("probe", [_probe(httpclient, 1.5)]).as_numpy("Y").tolist() == [[1.5]]
+    finally:
+        serve.stop()
+
+
+def _wait_ready(serve: ServeRepo, limit: float = 120) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            if serve.http.is_model_ready("probe"):
+                return
+        except Exception:  # noqa: BLE001 - not back yet
+            pass
+        time.sleep(0.2)
+    raise AssertionError("probe not ready again")
+
+
+def test_fuzzed_requests_never_restart_triton_and_honest_ones_are_answered_correctly(tmp_path, start_server):
+    repository = tmp_path / "echo-repo"
+    fuzz.write_echo(repository)
+    triton = start_server(repository)
+    proxy = _proxy(triton, tmp_path)
+    try:
+        pid = triton.pid
+        outcome = fuzz.run(("127.0.0.1", proxy.settings.http_port), proxy.grpc_url, 600, seed=7, honest_share=0.2)
+        assert outcome.sent == outcome.answered == 600, outcome.unanswered
+        assert outcome.honest > 50 and outcome.honest_right == outcome.honest, outcome.wrong
+        assert sum(outcome.rules.values()) > 200 and {"shape", "datatype", "data-size"} <= set(outcome.rules)
+        assert triton.pid == pid and triton.ready()
+    finally:
+        proxy.stop()
