@@ -13,7 +13,7 @@ from pathlib import Path
 from builder import config as cfg
 from builder import mar, sources
 from builder.plan import check_source, make_plan, precision_note
-from builder.repository import ENGINES, BuildError, build, check_free, check_writable
+from builder.repository import ENGINES, BuildError, InterruptedAfterSwap, build, check_free, check_writable
 from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
 from common import precision as precisions
 from common.cli import OneLineParser
@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="build-repo-") as workdir:
         try:
             return _main(args, Path(workdir))
+        except InterruptedAfterSwap:
+            print("build-repo: interrupted; the new models were already in place", file=sys.stderr)
+            return 130
         except KeyboardInterrupt:
             print("build-repo: interrupted; nothing was written", file=sys.stderr)
             return 130

@@ -13,8 +13,8 @@ import torch
 
 from builder import config as cfg
 from builder import export
-from builder.staging import (BuildError, check_writable, remove_stale_staging, signals_deferred,  # noqa: F401
-                             staging_prefix, swap_in)
+from builder.staging import (BuildError, InterruptedAfterSwap, check_writable, remove_stale_staging,  # noqa: F401
+                             signals_deferred, staging_prefix, swap_in)
 from builder.weights import Classifier
 from common.contract import IMAGE, IMAGE_BYTES, IMAGE_INPUTS, LOGITS
 
@@ -111,14 +111,22 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
             # a modified version, and a later load of a modified version (serve-repo replacing a dead stub) is
             # a whole new copy of the model instead of an update of just the dead instance's group.
             compileall.compile_dir(staging / name, quiet=1)
-        written = [swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
-        for name in retired_names(classifier.name, options.formats, options.image_model):
-            # Written by an earlier build, served by nothing now: a server loading it would start its stub.
-            if (output / name).exists():
-                (output / name).rename(staging / f"{name}.old")  # removed with the staging folder
+        # Held from the first rename to the staging folder's last file: cut short, the swap leaves a repository
+        # half old, half new, or a previous model renamed into the staging folder and removed with it.
+        with signals_deferred(InterruptedAfterSwap):
+            try:
+                written = [swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
+                for name in retired_names(classifier.name, options.formats, options.image_model):
+                    # Written by an earlier build, served by nothing now: a server loading it would start its stub.
+                    if (output / name).exists():
+                        (output / name).rename(staging / f"{name}.old")  # removed with the staging folder
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         return written
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging.exists():  # a failed or interrupted build's: finished even if another signal comes
+            with signals_deferred():
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def _export(classifier: Classifier, folder: Path, options: Options) -> dict[str, Path]:

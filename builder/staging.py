@@ -38,25 +38,32 @@ def remove_stale_staging(output: Path) -> list[Path]:
     return removed
 
 
+class InterruptedAfterSwap(KeyboardInterrupt):
+    """A signal held over the swap, raised once it is done: the build ends interrupted (exit 130), with
+    every new model in place."""
+
+
 @contextlib.contextmanager
-def signals_deferred():
-    """Hold SIGINT/SIGTERM until the block ends. An exception raised inside a native exporter's
-    callback (ONNX) aborts the process (exit 134), skipping every cleanup; raised right after the
-    block, it ends the build through its cleanup. (Masking the signal is not enough: any of the
-    exporter's threads may take it.)"""
+def signals_deferred(interrupt: type[BaseException] = KeyboardInterrupt):
+    """Hold SIGINT/SIGTERM until the block ends, then raise `interrupt`. An exception raised inside a native
+    exporter's callback (ONNX) aborts the process (exit 134), skipping every cleanup; raised right after the
+    block, it ends the build through its cleanup. A swap or a cleanup cut short leaves a half-swapped
+    repository or a staging folder. (Masking the signal is not enough: any of the exporter's threads may
+    take it.)"""
     if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
         yield
         return
     caught = []
-    held = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum)) for sig in held}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        for sig in previous:  # inside the try: a signal landing between the two still has the first put back
+            signal.signal(sig, lambda signum, frame: caught.append(signum))
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if caught:
-        raise KeyboardInterrupt
+        raise interrupt
 
 
 def staging_prefix(output: Path) -> str:
