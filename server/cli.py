@@ -29,7 +29,8 @@ def parser() -> argparse.ArgumentParser:
                    help="HAProxy (proxy/haproxy.cfg) in front of Triton: refuses the JSON requests that abort "
                         "Triton 2.51, caps bodies and per-client rates, holds requests while Triton restarts, "
                         "keeps the repository API private; TLS and a token when asked. auto: on when --host is "
-                        "not loopback; off: Triton's ports face --host directly. Default: auto.")
+                        "not loopback or is IPv6 (tritonserver 2.51 cannot listen on an IPv6 address); off: "
+                        "Triton's ports face --host directly. Default: auto.")
     p.add_argument("--tls-cert", metavar="PEM", type=Path,
                    help="certificate for the proxy's ports (both then speak TLS only); needs the proxy. "
                         "Default: none (plain HTTP and gRPC).")
@@ -73,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.drain_seconds, args.max_restarts, args.max_unfreed_instances) < 0:
         p.error("--drain-seconds, --max-restarts and --max-unfreed-instances must be >= 0")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
-    use_proxy = args.proxy == "on" or args.proxy == "auto" and exposed(args.host)
+    ipv6 = ":" in args.host  # Triton 2.51's gRPC server cannot parse an IPv6 address: the proxy listens there
+    use_proxy = args.proxy == "on" or args.proxy == "auto" and (exposed(args.host) or ipv6)
+    if not use_proxy and ipv6:
+        p.error(f"tritonserver 2.51 cannot listen on {args.host} (IPv6): drop --proxy off")
     if not use_proxy and (args.tls_cert or args.tls_key or args.token_file):
         p.error("--tls-cert, --tls-key and --token-file are the proxy's: drop --proxy off")
     if args.tls_key and not args.tls_cert:

@@ -58,11 +58,11 @@ class Proxy:
 
     @property
     def http_url(self) -> str:
-        return f"{self.settings.host}:{self.settings.http_port}"
+        return _bind(self.settings.host, self.settings.http_port)
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.settings.host}:{self.settings.grpc_port}"
+        return _bind(self.settings.host, self.settings.grpc_port)
 
     def environment(self) -> dict[str, str]:
         s = self.settings
@@ -160,6 +160,7 @@ def exposed(host: str) -> bool:
 
 
 def _bind(host: str, port: int) -> str:
+    """host:port, an IPv6 address in brackets ([::1]:8000), as HAProxy and clients read it."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

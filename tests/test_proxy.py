@@ -27,7 +27,8 @@ from drills.faults import CRASHING_BODY, running
 from drills.serve import ServeRepo
 from images import CAT
 from server.proxy import Proxy, ProxySettings
-from support import SMALL
+from support import SMALL, build
+from test_serve_repo import needs_ipv6
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-token-for-the-proxy-tests"
@@ -324,3 +325,25 @@ def test_serve_repo_refuses_proxy_flags_when_the_proxy_is_off(tmp_path):
     result = subprocess.run([sys.executable, "-m", "server.cli", "--repository", str(tmp_path), "--proxy", "off",
                              "--token-file", str(tmp_path / "token")], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2 and "proxy" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def small_repo(tmp_path_factory) -> Path:
+    """SMALL alone, for serve-repo runs of these tests (the session's `repository` builds ResNet-152 too)."""
+    repo = tmp_path_factory.mktemp("small") / "repo"
+    build(repo, "--max-batch-size", "8")
+    return repo
+
+
+@needs_ipv6
+def test_serve_repo_serves_tritonclient_over_ipv6_when_the_host_is_an_ipv6_address(small_repo):
+    serve = ServeRepo(small_repo, "--host", "::1", "--proxy", "on", timeout=300)
+    try:
+        assert f"HTTP http://[::1]:{serve.ports[0]} " in serve.ready_line, serve.ready_line
+        http = httpclient.InferenceServerClient(f"[::1]:{serve.ports[0]}")
+        assert http.infer(SMALL, [_tensor(httpclient)]).as_numpy("LOGITS").shape == (1, 1000)
+        grpc = grpcclient.InferenceServerClient(f"[::1]:{serve.ports[1]}")
+        assert grpc.infer(SMALL, [_tensor(grpcclient)]).as_numpy("LOGITS").shape == (1, 1000)
+    finally:
+        serve.stop()
+    assert serve.process.returncode == 0
