@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 from common.cli import OneLineParser
+from server.procfs import KEPT_LOG_FOLDER
 from server.proxy import Proxy, ProxySettings, exposed
 from server.supervisor import Supervisor
 from server.repo import GPU_FLAGS
@@ -59,7 +61,10 @@ def parser() -> argparse.ArgumentParser:
                    help="a stub that dies with a batch in flight leaves an instance Triton 2.51 never frees "
                         "(its threads and ~5-10 MB of /dev/shm); past this many, tritonserver is restarted "
                         "(drained) to free them; 0: never. Default: 4.")
-    p.add_argument("--log-file", metavar="FILE", type=Path, help="tritonserver's log. Default: a temporary file.")
+    p.add_argument("--log-file", metavar="FILE", type=Path,
+                   help="tritonserver's log; the proxy's goes to FILE.haproxy.log. Default: a temporary file "
+                        "(removed after a clean stop, kept after a failure); the proxy's is "
+                        "<tmp>/triton-serve-logs/haproxy-<http port>.log, kept.")
     p.add_argument("--timeout", metavar="S", type=float, default=600, help="seconds to wait until ready. Default: 600.")
     p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
                    help="flags passed to tritonserver unchanged, after `--` (e.g. -- --log-verbose=1 "
@@ -107,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     proxy = None
     if use_proxy:
         proxy = Proxy(settings, server.http_url, server.grpc_url, f"127.0.0.1:{server.ports['metrics']}",
-                      server.workdir)
+                      server.workdir, proxy_log(args.log_file, args.http_port))
         try:
             proxy.start()
         except (ServerError, OSError) as exc:
             server.stop()
-            print(f"serve-repo: error: {exc}", file=sys.stderr)
+            print(f"serve-repo: error: {exc}; proxy log {proxy.log_file}", file=sys.stderr)
             return 1
         scheme = "https" if args.tls_cert else "http"
         print(f"proxy ready: HTTP {scheme}://{proxy.http_url}  gRPC {proxy.grpc_url}  metrics "
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         if proxy is not None:
             proxy.stop()
         server.stop(keep_log=True)
-        print(f"serve-repo: error: {supervisor.failure}{_log_of(server)}", file=sys.stderr)
+        proxy_log_note = f"; proxy log {proxy.log_file}" if proxy is not None else ""
+        print(f"serve-repo: error: {supervisor.failure}{_log_of(server)}{proxy_log_note}", file=sys.stderr)
         return 1
     print(f"stopping: draining in-flight requests for up to {args.drain_seconds:g}s", flush=True)
     if proxy is not None:
@@ -137,6 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     server.stop()
     print("tritonserver stopped", flush=True)
     return 0
+
+
+def proxy_log(log_file: Path | None, http_port: int) -> Path:
+    """Where the proxy logs, outside serve-repo's temporary workdir so that it outlives the run: beside
+    --log-file, else in the folder that keeps dead runs' tritonserver logs, one file per public port (the
+    newest run on that port: no pile of files)."""
+    if log_file is not None:
+        return Path(f"{log_file}.haproxy.log")
+    return Path(tempfile.gettempdir()) / KEPT_LOG_FOLDER / f"haproxy-{http_port}.log"
 
 
 def _log_of(server: TritonServer) -> str:

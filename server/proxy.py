@@ -48,11 +48,13 @@ class Proxy:
     """HAProxy forwarding settings.host's ports to a TritonServer's private ones."""
 
     def __init__(self, settings: ProxySettings, triton_http: str, triton_grpc: str, triton_metrics: str,
-                 workdir: Path):
+                 workdir: Path, log_file: Path | None = None):
         self.settings = settings
         self.upstream = {"TRITON_HTTP": triton_http, "TRITON_GRPC": triton_grpc, "TRITON_METRICS": triton_metrics}
         self.workdir = workdir
-        self.log_file = workdir / "haproxy.log"
+        # Begun afresh by the first start, appended to by restarts; serve-repo puts it outside its workdir.
+        self.log_file = Path(log_file) if log_file else workdir / "haproxy.log"
+        self._log_mode = "wb"
         self._process: subprocess.Popen | None = None
         self.returncode: int | None = None
 
@@ -101,7 +103,9 @@ class Proxy:
     def start(self, timeout: float = 15) -> "Proxy":
         """Start HAProxy and wait until both public ports take connections."""
         self.check()
-        with open(self.log_file, "ab") as log:  # a file, not a pipe: a log nobody reads can never block it
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, self._log_mode) as log:  # a file, not a pipe: a log nobody reads never blocks it
+            self._log_mode = "ab"
             self._process = subprocess.Popen(with_parent_death(self.command(), os.getpid()), stdout=log,
                                              stderr=subprocess.STDOUT, env={**os.environ, **self.environment()},
                                              start_new_session=True)

@@ -347,3 +347,18 @@ def test_serve_repo_serves_tritonclient_over_ipv6_when_the_host_is_an_ipv6_addre
     finally:
         serve.stop()
     assert serve.process.returncode == 0
+
+
+@pytest.mark.parametrize("log_file", [False, True], ids=["default", "log-file"])
+def test_serve_repo_keeps_the_proxy_log_it_names_when_it_has_stopped(small_repo, tmp_path, log_file):
+    flags = ["--log-file", str(tmp_path / "triton.log")] if log_file else []
+    serve = ServeRepo(small_repo, "--proxy", "on", *flags, timeout=300)
+    try:
+        named = Path(serve.ready_line.rpartition("  log ")[2])
+        assert serve.http.is_server_ready()
+    finally:
+        serve.stop()
+    assert serve.process.returncode == 0
+    if log_file:
+        assert named == tmp_path / "triton.log.haproxy.log"
+    assert named.is_file() and named.read_text().strip(), f"{named} is gone or empty"
