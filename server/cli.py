@@ -10,8 +10,9 @@ import threading
 from pathlib import Path
 
 from common.cli import OneLineParser
+from common.procs import port_free
 from server.procfs import KEPT_LOG_FOLDER
-from server.proxy import Proxy, ProxySettings, exposed
+from server.proxy import Proxy, ProxySettings, busy, exposed
 from server.supervisor import Supervisor
 from server.repo import GPU_FLAGS
 from server.triton import ServerError, TritonServer
@@ -55,8 +56,8 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, how long in-flight requests may take to finish before the "
                         "server and its stubs are killed (Triton's --exit-timeout-secs). Default: 5.")
     p.add_argument("--max-restarts", metavar="N", type=int, default=5,
-                   help="restarts in a row (each lived < 60 s) before giving up when tritonserver keeps "
-                        "dying; 0: never restart. Default: 5.")
+                   help="restarts in a row (each lived < 60 s) before giving up when tritonserver (or the proxy) "
+                        "keeps dying; 0: never restart. Default: 5.")
     p.add_argument("--max-unfreed-instances", metavar="N", type=int, default=4,
                    help="a stub that dies with a batch in flight leaves an instance Triton 2.51 never frees "
                         "(its threads and ~5-10 MB of /dev/shm); past this many, tritonserver is restarted "
@@ -88,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tls_key and not args.tls_cert:
         p.error("--tls-key goes with --tls-cert")
     if use_proxy:  # Triton on private loopback ports; the proxy takes the ones asked for
+        for api, port in (("http", args.http_port), ("grpc", args.grpc_port)):
+            if not port_free(args.host, port):  # before Triton starts: another serve-repo may hold them
+                print(f"serve-repo: error: {busy(api, port, args.host)}", file=sys.stderr)
+                return 1
         server = TritonServer.local(args.repository, model_control=args.model_control, log_file=args.log_file,
                                     extra_args=extra, drain_seconds=args.drain_seconds)
         settings = ProxySettings(args.host, args.http_port, args.grpc_port, int(args.max_body_mb * (1 << 20)),

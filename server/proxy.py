@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.procs import port_free
 from server.errors import ServerError
 from server.procfs import with_parent_death
 
@@ -103,6 +104,9 @@ class Proxy:
     def start(self, timeout: float = 15) -> "Proxy":
         """Start HAProxy and wait until both public ports take connections."""
         self.check()
+        for name, port in (("http", self.settings.http_port), ("grpc", self.settings.grpc_port)):
+            if not port_free(self.settings.host, port):  # else another program's listener looks like ours
+                raise ServerError(busy(name, port, self.settings.host))
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_file, self._log_mode) as log:  # a file, not a pipe: a log nobody reads never blocks it
             self._log_mode = "ab"
@@ -156,6 +160,10 @@ class Proxy:
             pass
         process.wait()
         self.returncode = process.returncode
+
+
+def busy(api: str, port: int, host: str) -> str:
+    return f"{api} port {port} on {host} is busy; choose another with --{api}-port"
 
 
 def exposed(host: str) -> bool:

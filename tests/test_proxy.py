@@ -362,3 +362,45 @@ def test_serve_repo_keeps_the_proxy_log_it_names_when_it_has_stopped(small_repo,
     if log_file:
         assert named == tmp_path / "triton.log.haproxy.log"
     assert named.is_file() and named.read_text().strip(), f"{named} is gone or empty"
+
+
+def test_second_serve_repo_on_the_same_ports_exits_at_once_naming_the_port_and_the_first_keeps_serving(small_repo):
+    first = ServeRepo(small_repo, "--host", "0.0.0.0", timeout=300)
+    try:
+        started = time.monotonic()
+        try:
+            second = subprocess.run(
+                [sys.executable, "-m", "server.cli", "--repository", str(small_repo), "--host", "0.0.0.0",
+                 "--http-port", str(first.ports[0]), "--grpc-port", str(first.ports[1]),
+                 "--metrics-port", str(free_port())], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        except subprocess.TimeoutExpired as running:
+            pytest.fail(f"the second serve-repo still ran after 60 s: {(running.stdout or b'')[-2000:]!r}")
+        took = time.monotonic() - started
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert f"port {first.ports[0]} on 0.0.0.0 is busy" in second.stderr, second.stderr
+        assert "ready" not in second.stdout and took < 20, (took, second.stdout)  # refused before Triton starts
+        for module, url in ((httpclient, f"127.0.0.1:{first.ports[0]}"), (grpcclient, f"127.0.0.1:{first.ports[1]}")):
+            for _ in range(4):  # a second proxy sharing the port (SO_REUSEPORT) would take about half of these
+                client = module.InferenceServerClient(url)
+                assert client.infer(SMALL, [_tensor(module)]).as_numpy("LOGITS").shape == (1, 1000)
+        assert not first.seen("the proxy died"), first.lines[-10:]
+    finally:
+        first.stop()
+
+
+def test_a_second_haproxy_cannot_share_the_proxys_port_when_it_binds_it_too(tmp_path):
+    http = free_port()
+    upstream = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")  # nothing there: HAProxy starts all the same
+    first = Proxy(ProxySettings("127.0.0.1", http, free_port()), *upstream, tmp_path).start()
+    try:
+        (tmp_path / "second").mkdir()
+        second = Proxy(ProxySettings("0.0.0.0", http, free_port()), *upstream, tmp_path / "second")
+        try:
+            result = subprocess.run(second.command(), env={**os.environ, **second.environment()},
+                                    capture_output=True, text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a second HAProxy runs on port {http} beside the first (SO_REUSEPORT)")
+        assert result.returncode != 0 and "cannot bind socket" in result.stdout + result.stderr
+        assert first.running()
+    finally:
+        first.stop()
