@@ -11,9 +11,14 @@ def pid_alive(pid: int) -> bool:
     return psutil.pid_exists(pid)
 
 
+def family(host: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 address (`::1`, `::`), else AF_INET."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def port_free(host: str, port: int) -> bool:
-    """True if `port` on `host` can be bound now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """True if `port` on `host` (IPv4 or IPv6) can be bound now."""
+    with socket.socket(family(host), socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
@@ -24,6 +29,6 @@ def port_free(host: str, port: int) -> bool:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port the kernel says is free now (another process may still take it before we bind)."""
-    with socket.socket() as sock:
+    with socket.socket(family(host)) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 from common.cli import OneLineParser
-from server.proxy import Proxy, ProxySettings, exposed
+from common.procs import port_free
+from server.procfs import KEPT_LOG_FOLDER
+from server.proxy import Proxy, ProxySettings, busy, exposed
 from server.supervisor import Supervisor
 from server.repo import GPU_FLAGS, in_flight
 from server.triton import ServerError, TritonServer
@@ -29,7 +32,8 @@ def parser() -> argparse.ArgumentParser:
                    help="HAProxy (proxy/haproxy.cfg) in front of Triton: refuses the JSON requests that abort "
                         "Triton 2.51, caps bodies and per-client rates, holds requests while Triton restarts, "
                         "keeps the repository API private; TLS and a token when asked. auto: on when --host is "
-                        "not loopback; off: Triton's ports face --host directly. Default: auto.")
+                        "not loopback or is IPv6 (tritonserver 2.51 cannot listen on an IPv6 address); off: "
+                        "Triton's ports face --host directly. Default: auto.")
     p.add_argument("--tls-cert", metavar="PEM", type=Path,
                    help="certificate for the proxy's ports (both then speak TLS only); needs the proxy. "
                         "Default: none (plain HTTP and gRPC).")
@@ -60,13 +64,16 @@ def parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, how long in-flight requests may take to finish before the "
                         "server and its stubs are killed (Triton's --exit-timeout-secs). Default: 5.")
     p.add_argument("--max-restarts", metavar="N", type=int, default=5,
-                   help="restarts in a row (each lived < 60 s) before giving up when tritonserver keeps "
-                        "dying; 0: never restart. Default: 5.")
+                   help="restarts in a row (each lived < 60 s) before giving up when tritonserver (or the proxy) "
+                        "keeps dying; 0: never restart. Default: 5.")
     p.add_argument("--max-unfreed-instances", metavar="N", type=int, default=4,
                    help="a stub that dies with a batch in flight leaves an instance Triton 2.51 never frees "
                         "(its threads and ~5-10 MB of /dev/shm); past this many, tritonserver is restarted "
                         "(drained) to free them; 0: never. Default: 4.")
-    p.add_argument("--log-file", metavar="FILE", type=Path, help="tritonserver's log. Default: a temporary file.")
+    p.add_argument("--log-file", metavar="FILE", type=Path,
+                   help="tritonserver's log; the proxy's goes to FILE.haproxy.log. Default: a temporary file "
+                        "(removed after a clean stop, kept after a failure); the proxy's is "
+                        "<tmp>/triton-serve-logs/haproxy-<http port>.log, kept.")
     p.add_argument("--timeout", metavar="S", type=float, default=600, help="seconds to wait until ready. Default: 600.")
     p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
                    help="flags passed to tritonserver unchanged, after `--` (e.g. -- --log-verbose=1 "
@@ -83,12 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_in_flight is not None and args.max_in_flight < 1 or args.queue_ms < 1:
         p.error("--max-in-flight and --queue-ms must be >= 1")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
-    use_proxy = args.proxy == "on" or args.proxy == "auto" and exposed(args.host)
+    ipv6 = ":" in args.host  # Triton 2.51's gRPC server cannot parse an IPv6 address: the proxy listens there
+    use_proxy = args.proxy == "on" or args.proxy == "auto" and (exposed(args.host) or ipv6)
+    if not use_proxy and ipv6:
+        p.error(f"tritonserver 2.51 cannot listen on {args.host} (IPv6): drop --proxy off")
     if not use_proxy and (args.tls_cert or args.tls_key or args.token_file):
         p.error("--tls-cert, --tls-key and --token-file are the proxy's: drop --proxy off")
     if args.tls_key and not args.tls_cert:
         p.error("--tls-key goes with --tls-cert")
     if use_proxy:  # Triton on private loopback ports; the proxy takes the ones asked for
+        for api, port in (("http", args.http_port), ("grpc", args.grpc_port)):
+            if not port_free(args.host, port):  # before Triton starts: another serve-repo may hold them
+                print(f"serve-repo: error: {busy(api, port, args.host)}", file=sys.stderr)
+                return 1
         server = TritonServer.local(args.repository, model_control=args.model_control, log_file=args.log_file,
                                     extra_args=extra, drain_seconds=args.drain_seconds)
         settings = ProxySettings(args.host, args.http_port, args.grpc_port, int(args.max_body_mb * (1 << 20)),
@@ -114,12 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     proxy = None
     if use_proxy:
         proxy = Proxy(settings, server.http_url, server.grpc_url, f"127.0.0.1:{server.ports['metrics']}",
-                      server.workdir)
+                      server.workdir, proxy_log(args.log_file, args.http_port))
         try:
             proxy.start()
         except (ServerError, OSError) as exc:
             server.stop()
-            print(f"serve-repo: error: {exc}", file=sys.stderr)
+            print(f"serve-repo: error: {exc}; proxy log {proxy.log_file}", file=sys.stderr)
             return 1
         scheme = "https" if args.tls_cert else "http"
         print(f"proxy ready: HTTP {scheme}://{proxy.http_url}  gRPC {proxy.grpc_url}  metrics "
@@ -136,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if proxy is not None:
             proxy.stop()
         server.stop(keep_log=True)
-        print(f"serve-repo: error: {supervisor.failure}{_log_of(server)}", file=sys.stderr)
+        proxy_log_note = f"; proxy log {proxy.log_file}" if proxy is not None else ""
+        print(f"serve-repo: error: {supervisor.failure}{_log_of(server)}{proxy_log_note}", file=sys.stderr)
         return 1
     print(f"stopping: draining in-flight requests for up to {args.drain_seconds:g}s", flush=True)
     if proxy is not None:
@@ -144,6 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     server.stop()
     print("tritonserver stopped", flush=True)
     return 0
+
+
+def proxy_log(log_file: Path | None, http_port: int) -> Path:
+    """Where the proxy logs, outside serve-repo's temporary workdir so that it outlives the run: beside
+    --log-file, else in the folder that keeps dead runs' tritonserver logs, one file per public port (the
+    newest run on that port: no pile of files)."""
+    if log_file is not None:
+        return Path(f"{log_file}.haproxy.log")
+    return Path(tempfile.gettempdir()) / KEPT_LOG_FOLDER / f"haproxy-{http_port}.log"
 
 
 def _log_of(server: TritonServer) -> str:

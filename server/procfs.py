@@ -73,7 +73,8 @@ def keep_log(workdir: Path, keep: int = KEPT_LOGS, limit: int = KEPT_LOG_BYTES) 
         with open(log, "rb") as source:
             source.seek(max(0, log.stat().st_size - limit))
             target.write_bytes(source.read())
-        for old in sorted(folder.glob("*.log"), key=lambda p: p.stat().st_mtime)[:-keep]:
+        kept = folder.glob(f"{WORKDIR_PREFIX}*.log")  # not serve-repo's proxy logs (haproxy-<port>.log)
+        for old in sorted(kept, key=lambda p: p.stat().st_mtime)[:-keep]:
             old.unlink(missing_ok=True)
         return target
     except OSError:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.procs import port_free
 from server.errors import ServerError
 from server.procfs import with_parent_death
 
@@ -55,21 +56,23 @@ class Proxy:
     """HAProxy forwarding settings.host's ports to a TritonServer's private ones."""
 
     def __init__(self, settings: ProxySettings, triton_http: str, triton_grpc: str, triton_metrics: str,
-                 workdir: Path):
+                 workdir: Path, log_file: Path | None = None):
         self.settings = settings
         self.upstream = {"TRITON_HTTP": triton_http, "TRITON_GRPC": triton_grpc, "TRITON_METRICS": triton_metrics}
         self.workdir = workdir
-        self.log_file = workdir / "haproxy.log"
+        # Begun afresh by the first start, appended to by restarts; serve-repo puts it outside its workdir.
+        self.log_file = Path(log_file) if log_file else workdir / "haproxy.log"
+        self._log_mode = "wb"
         self._process: subprocess.Popen | None = None
         self.returncode: int | None = None
 
     @property
     def http_url(self) -> str:
-        return f"{self.settings.host}:{self.settings.http_port}"
+        return _bind(self.settings.host, self.settings.http_port)
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.settings.host}:{self.settings.grpc_port}"
+        return _bind(self.settings.host, self.settings.grpc_port)
 
     def environment(self) -> dict[str, str]:
         s = self.settings
@@ -111,7 +114,12 @@ class Proxy:
     def start(self, timeout: float = 15) -> "Proxy":
         """Start HAProxy and wait until both public ports take connections."""
         self.check()
-        with open(self.log_file, "ab") as log:  # a file, not a pipe: a log nobody reads can never block it
+        for name, port in (("http", self.settings.http_port), ("grpc", self.settings.grpc_port)):
+            if not port_free(self.settings.host, port):  # else another program's listener looks like ours
+                raise ServerError(busy(name, port, self.settings.host))
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, self._log_mode) as log:  # a file, not a pipe: a log nobody reads never blocks it
+            self._log_mode = "ab"
             self._process = subprocess.Popen(with_parent_death(self.command(), os.getpid()), stdout=log,
                                              stderr=subprocess.STDOUT, env={**os.environ, **self.environment()},
                                              start_new_session=True)
@@ -164,12 +172,17 @@ class Proxy:
         self.returncode = process.returncode
 
 
+def busy(api: str, port: int, host: str) -> str:
+    return f"{api} port {port} on {host} is busy; choose another with --{api}-port"
+
+
 def exposed(host: str) -> bool:
     """True where `host` reaches beyond this machine."""
     return host not in LOOPBACK and not host.startswith("127.")
 
 
 def _bind(host: str, port: int) -> str:
+    """host:port, an IPv6 address in brackets ([::1]:8000), as HAProxy and clients read it."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

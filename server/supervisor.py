@@ -34,7 +34,7 @@ class Supervisor:
     """One loop, in the thread that started the server (its PR_SET_PDEATHSIG is tied to that thread).
 
     - tritonserver died: log its last words, restart at once, then with backoff (0.5 s, 1 s, 2 s, ... 30 s);
-      give up after `max_restarts` restarts that each lived less than `stable_seconds`.
+      give up after `max_restarts` restarts that each lived less than `stable_seconds`. The same for the proxy.
     - a stub died while its model is READY: its instances are replaced in place (reload).
     - more than `max_unfreed` dead stubs left unreaped for `unfreed_grace` s (instances Triton never freed):
       tritonserver is stopped (drained) and started again; 0: never.
@@ -61,6 +61,10 @@ class Supervisor:
         self.max_unfreed, self.unfreed_grace = max_unfreed, unfreed_grace
         self._zombies: dict[int, float] = {}  # dead, unreaped stub pid -> when first seen
         self._planned: str | None = None      # why we stopped tritonserver ourselves
+        self.proxy_restarts = 0               # in a row, as self.restarts, with the same backoff and limit
+        self._proxy_started = time.monotonic()
+        self._proxy_retry_at: float | None = None  # when the dead proxy is started again
+        self._proxy_error: str | None = None       # why its last start failed
 
     def run(self, stop: threading.Event) -> int:
         """Until `stop` is set: 0. Gave up restarting: 1 (self.failure says why)."""
@@ -73,6 +77,8 @@ class Supervisor:
             self.check_stubs()
             self.check_unfreed()
             self.check_proxy()
+            if self.failure:  # the proxy kept dying
+                return 1
             stop.wait(self.poll_seconds)
         return 0
 
@@ -109,16 +115,34 @@ class Supervisor:
         return True
 
     def check_proxy(self) -> bool:
-        """Start the proxy again if it died (it holds no state: clients reconnect). True if it was restarted."""
+        """Start the proxy again if it died (it holds no state: clients reconnect), at once, then with tritonserver's
+        backoff; after `max_restarts` restarts in a row that each lived less than `stable_seconds`, give up
+        (self.failure names its last words). True if it was restarted."""
         if self.proxy is None or self.proxy.running():
             return False
-        self.proxy._reap()
-        self.log(f"serve-repo: the proxy died ({describe_exit(self.proxy.returncode)}): {self.proxy.last_words()}; "
-                 "restarting it")
+        now = time.monotonic()
+        if self._proxy_retry_at is None:  # just found dead
+            self.proxy._reap()
+            why = self._proxy_error or (f"the proxy died ({describe_exit(self.proxy.returncode)}): "
+                                        f"{self.proxy.last_words()}")
+            if now - self._proxy_started >= self.stable_seconds:
+                self.proxy_restarts = 0
+            if self.proxy_restarts >= self.max_restarts:
+                self.failure = f"{why}; not restarted: {self.proxy_restarts} restarts in a row failed or died again"
+                self.log(f"serve-repo: error: {self.failure}")
+                return False
+            self.proxy_restarts += 1
+            delay = 0.0 if self.proxy_restarts == 1 else min(30.0, 0.5 * 2 ** (self.proxy_restarts - 2))
+            self.log(f"serve-repo: {why}; restarting it ({self.proxy_restarts}/{self.max_restarts}) in {delay:g}s")
+            self._proxy_retry_at = now + delay
+        if now < self._proxy_retry_at:
+            return False  # tritonserver is still watched meanwhile
+        self._proxy_retry_at, self._proxy_started, self._proxy_error = None, now, None
         try:
             self.proxy.start()
         except (ServerError, OSError) as error:
-            self.log(f"serve-repo: the proxy did not start again: {error}")
+            self._proxy_error = f"the proxy did not start again: {error}"
+            self.log(f"serve-repo: {self._proxy_error}")
             return False
         self.log("serve-repo: the proxy is listening again")
         return True

@@ -27,7 +27,8 @@ from drills.faults import CRASHING_BODY, running
 from drills.serve import ServeRepo
 from images import CAT
 from server.proxy import Proxy, ProxySettings
-from support import SMALL
+from support import SMALL, build
+from test_serve_repo import needs_ipv6
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "s3cret-token-for-the-proxy-tests"
@@ -411,3 +412,82 @@ def test_serve_repo_refuses_proxy_flags_when_the_proxy_is_off(tmp_path):
     result = subprocess.run([sys.executable, "-m", "server.cli", "--repository", str(tmp_path), "--proxy", "off",
                              "--token-file", str(tmp_path / "token")], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2 and "proxy" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def small_repo(tmp_path_factory) -> Path:
+    """SMALL alone, for serve-repo runs of these tests (the session's `repository` builds ResNet-152 too)."""
+    repo = tmp_path_factory.mktemp("small") / "repo"
+    build(repo, "--max-batch-size", "8")
+    return repo
+
+
+@needs_ipv6
+def test_serve_repo_serves_tritonclient_over_ipv6_when_the_host_is_an_ipv6_address(small_repo):
+    serve = ServeRepo(small_repo, "--host", "::1", "--proxy", "on", timeout=300)
+    try:
+        assert f"HTTP http://[::1]:{serve.ports[0]} " in serve.ready_line, serve.ready_line
+        http = httpclient.InferenceServerClient(f"[::1]:{serve.ports[0]}")
+        assert http.infer(SMALL, [_tensor(httpclient)]).as_numpy("LOGITS").shape == (1, 1000)
+        grpc = grpcclient.InferenceServerClient(f"[::1]:{serve.ports[1]}")
+        assert grpc.infer(SMALL, [_tensor(grpcclient)]).as_numpy("LOGITS").shape == (1, 1000)
+    finally:
+        serve.stop()
+    assert serve.process.returncode == 0
+
+
+@pytest.mark.parametrize("log_file", [False, True], ids=["default", "log-file"])
+def test_serve_repo_keeps_the_proxy_log_it_names_when_it_has_stopped(small_repo, tmp_path, log_file):
+    flags = ["--log-file", str(tmp_path / "triton.log")] if log_file else []
+    serve = ServeRepo(small_repo, "--proxy", "on", *flags, timeout=300)
+    try:
+        named = Path(serve.ready_line.rpartition("  log ")[2])
+        assert serve.http.is_server_ready()
+    finally:
+        serve.stop()
+    assert serve.process.returncode == 0
+    if log_file:
+        assert named == tmp_path / "triton.log.haproxy.log"
+    assert named.is_file() and named.read_text().strip(), f"{named} is gone or empty"
+
+
+def test_second_serve_repo_on_the_same_ports_exits_at_once_naming_the_port_and_the_first_keeps_serving(small_repo):
+    first = ServeRepo(small_repo, "--host", "0.0.0.0", timeout=300)
+    try:
+        started = time.monotonic()
+        try:
+            second = subprocess.run(
+                [sys.executable, "-m", "server.cli", "--repository", str(small_repo), "--host", "0.0.0.0",
+                 "--http-port", str(first.ports[0]), "--grpc-port", str(first.ports[1]),
+                 "--metrics-port", str(free_port())], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        except subprocess.TimeoutExpired as running:
+            pytest.fail(f"the second serve-repo still ran after 60 s: {(running.stdout or b'')[-2000:]!r}")
+        took = time.monotonic() - started
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert f"port {first.ports[0]} on 0.0.0.0 is busy" in second.stderr, second.stderr
+        assert "ready" not in second.stdout and took < 20, (took, second.stdout)  # refused before Triton starts
+        for module, url in ((httpclient, f"127.0.0.1:{first.ports[0]}"), (grpcclient, f"127.0.0.1:{first.ports[1]}")):
+            for _ in range(4):  # a second proxy sharing the port (SO_REUSEPORT) would take about half of these
+                client = module.InferenceServerClient(url)
+                assert client.infer(SMALL, [_tensor(module)]).as_numpy("LOGITS").shape == (1, 1000)
+        assert not first.seen("the proxy died"), first.lines[-10:]
+    finally:
+        first.stop()
+
+
+def test_a_second_haproxy_cannot_share_the_proxys_port_when_it_binds_it_too(tmp_path):
+    http = free_port()
+    upstream = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")  # nothing there: HAProxy starts all the same
+    first = Proxy(ProxySettings("127.0.0.1", http, free_port()), *upstream, tmp_path).start()
+    try:
+        (tmp_path / "second").mkdir()
+        second = Proxy(ProxySettings("0.0.0.0", http, free_port()), *upstream, tmp_path / "second")
+        try:
+            result = subprocess.run(second.command(), env={**os.environ, **second.environment()},
+                                    capture_output=True, text=True, timeout=10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"a second HAProxy runs on port {http} beside the first (SO_REUSEPORT)")
+        assert result.returncode != 0 and "cannot bind socket" in result.stdout + result.stderr
+        assert first.running()
+    finally:
+        first.stop()

@@ -10,12 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from common.procs import free_port
+from common.procs import free_port, port_free
 from server import cli, wheel
+from server.proxy import _listening
 from server.triton import ServerError, TritonServer
 from support import SMALL
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1) to bind")
 
 
 def _stubs_for(repository: Path) -> list[str]:
@@ -58,6 +71,35 @@ def test_serve_repo_names_busy_port_when_http_port_is_taken(repository, capsys):
                              "--grpc-port", str(free_port()), "--metrics-port", str(free_port())])
     assert status == 1
     assert f"http port {busy} on 127.0.0.1 is busy" in capsys.readouterr().err
+
+
+@needs_ipv6
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_port_checks_see_free_and_taken_ports_when_the_host_is_an_ipv6_address(host):
+    port = free_port(host)
+    assert port_free(host, port) and not _listening(host, port)
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", port))
+        taken.listen()
+        assert not port_free(host, port) and _listening(host, port)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+def test_port_checks_see_free_and_taken_ports_when_the_host_is_an_ipv4_address(host):
+    port = free_port(host)
+    assert port_free(host, port) and not _listening(host, port)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert not port_free(host, port) and _listening(host, port)
+
+
+def test_serve_repo_refuses_an_ipv6_host_without_the_proxy_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--host", "::1", "--proxy", "off"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "cannot listen on ::1 (IPv6)" in error and error.count("\n") == 0
 
 
 def test_serve_repo_shows_tritons_reason_when_a_model_fails_to_load(repository, tmp_path):

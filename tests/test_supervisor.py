@@ -256,3 +256,78 @@ def test_stale_sweep_passes_over_a_zombie_stub_when_it_has_no_command_line(tmp_p
 
     monkeypatch.setattr(procfs, "_processes", lambda comm: [(123456789, [], 1, "Z")])
     assert procfs.remove_stale(tmp_path / "tmp", tmp_path / "shm") == []
+
+
+class _DyingProxy:
+    """A proxy that starts and dies at once, every time (as when another program holds its port)."""
+
+    WORDS = "[ALERT] (1) : Starting frontend http: cannot bind socket (Address already in use) [0.0.0.0:8000]"
+
+    def __init__(self):
+        self.starts, self.returncode = 0, None
+
+    def running(self) -> bool:
+        return False
+
+    def _reap(self) -> None:
+        self.returncode = 1
+
+    def last_words(self) -> str:
+        return self.WORDS
+
+    def start(self):
+        self.starts += 1
+        return self
+
+
+def test_proxy_that_keeps_dying_is_restarted_with_backoff_then_given_up_naming_its_last_words():
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from server.supervisor import Supervisor
+
+    server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"))
+    proxy, lines = _DyingProxy(), []
+    supervisor = Supervisor(server, max_restarts=3, poll_seconds=0.01, log=lines.append, proxy=proxy)
+    stop = threading.Event()
+    timer = threading.Timer(20, stop.set)
+    timer.start()
+    started = time.monotonic()
+    try:
+        status = supervisor.run(stop)
+    finally:
+        timer.cancel()
+    took = time.monotonic() - started
+    assert status == 1 and not stop.is_set(), f"still restarting after {took:.0f}s: {proxy.starts} starts"
+    assert proxy.starts == 3  # --max-restarts in a row, then no more
+    assert 1.5 <= took < 10, took  # restarted at once, then after 0.5 s and 1 s
+    assert "the proxy died (exit status 1)" in supervisor.failure and _DyingProxy.WORDS in supervisor.failure
+    assert "not restarted: 3 restarts in a row" in supervisor.failure, supervisor.failure
+    assert [line for line in lines if "restarting it (" in line][-1].endswith("(3/3) in 1s")
+
+
+def test_proxy_whose_start_keeps_failing_is_given_up_naming_why_it_did_not_start():
+    import threading
+    from types import SimpleNamespace
+
+    from server.supervisor import Supervisor
+    from server.triton import ServerError
+
+    class Refused(_DyingProxy):
+        def start(self):
+            self.starts += 1
+            raise ServerError("http port 8000 on 0.0.0.0 is busy; choose another with --http-port")
+
+    server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"))
+    proxy = Refused()
+    supervisor = Supervisor(server, max_restarts=2, poll_seconds=0.01, log=lambda line: None, proxy=proxy)
+    stop = threading.Event()
+    timer = threading.Timer(20, stop.set)
+    timer.start()
+    try:
+        assert supervisor.run(stop) == 1 and not stop.is_set()
+    finally:
+        timer.cancel()
+    assert proxy.starts == 2
+    assert supervisor.failure.startswith("the proxy did not start again: http port 8000 on 0.0.0.0 is busy")
