@@ -208,8 +208,6 @@ def fake_triton():
     server.server_close()
 
 
-@pytest.mark.xfail(strict=True, reason="needs proxy/guard.lua to let token-less GETs of TOKENLESS through "
-                                       "(being rewritten on another branch): remove this mark with that change")
 def test_probes_and_scrapes_get_through_without_the_token_and_nothing_else_does_when_a_token_is_set(
         tmp_path, fake_triton):
     import urllib.error
