@@ -315,6 +315,33 @@ local function admit(model, version, tensors)
   if rule then return 400, rule, why end
 end
 
+-- The same from what the proxy already knows (a stream filter may not wait for Triton): every served model's
+-- configuration is read when a stream starts (refresh_all).
+local function admit_known(model, version, tensors)
+  local entry = models[model .. "/" .. version]
+  if not entry or entry.spec == MISSING then
+    return 404, "model", "no model " .. clip(model) .. " is served (or it was loaded after this stream started)"
+  end
+  local rule, why = tensor_problem(entry.spec, model, tensors)
+  if rule then return 400, rule, why end
+end
+
+-- Every model Triton serves now (its statistics list them, no key needed), each configuration read again.
+local function refresh_all()
+  local ok, reply = pcall(function()
+    return core.httpclient():get{url = "http://" .. TRITON_HTTP .. "/v2/models/stats", timeout = 2000}
+  end)
+  if not ok or type(reply) ~= "table" or reply.status ~= 200 then return end
+  local parsed, stats = pcall(parse_json, reply.body or "")
+  if not parsed or not is_object(stats) or not is_list(stats.model_stats) then return end
+  for _, entry in ipairs(stats.model_stats) do
+    if is_object(entry) and type(entry.name) == "string" then
+      model_spec(entry.name, "", false)
+      if type(entry.version) == "string" then model_spec(entry.name, entry.version, false) end
+    end
+  end
+end
+
 -- ---------------------------------------------------------------------------------------------------------------
 -- HTTP/REST (KServe v2): the JSON header, and the binary part it describes.
 
@@ -537,8 +564,9 @@ local function grpc_tensor(s, i, j)
   return t, has_contents
 end
 
-local function grpc_problem(txn)
-  local body = txn.f:req_body() or ""
+-- One gRPC message (its 5-byte header, then as much of it as the buffer holds): nothing where it may pass, else
+-- (status, rule, why). `judge(model, version, tensors)` admits the tensors or says why not.
+local function grpc_check(body, judge)
   if #body < 5 then return 400, "grpc-message", "the request does not start with a gRPC message header" end
   local compressed, length = string.unpack(">BI4", body)
   if compressed ~= 0 then
@@ -590,7 +618,7 @@ local function grpc_problem(txn)
       end
     end
   end
-  return admit(model, version ~= "" and version or "", tensors)
+  return judge(model, version, tensors)
 end
 
 local function read_token()
@@ -628,6 +656,10 @@ local function refuse(txn, status, rule, why)
 end
 
 MAX_BODY = tonumber(os.getenv("PROXY_MAX_BODY") or "")
+
+local function grpc_problem(txn)
+  return grpc_check(txn.f:req_body() or "", admit)
+end
 
 -- A request that was in flight at two deaths of Triton (haproxy.cfg's hold_* keep their fingerprints).
 local function quarantined(txn)
@@ -686,3 +718,82 @@ core.register_action("guard", {"http-req"}, function(txn)
   end
   if status then refuse(txn, status, rule, why) end
 end, 0)
+
+-- ---------------------------------------------------------------------------------------------------------------
+-- gRPC ModelStreamInfer: a stream of messages, each checked as a unary request is, as it passes (a filter on the
+-- request's data). A message that may pass goes on unchanged; one that may not is replaced, in the stream, by a
+-- request for a model named after the refusal ("proxy rule <rule>: <why>"), which Triton answers with an error for
+-- that message alone, naming the rule: the stream and the messages around it go on. A message over PROXY_MAX_BODY
+-- is dropped as it arrives, never buffered whole.
+
+local GRPC_STREAM = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+local function field(number, text)  -- a length-delimited protobuf field
+  local length, bytes = #text, {}
+  repeat
+    local b = length & 0x7F
+    length = length >> 7
+    bytes[#bytes + 1] = string.char(length > 0 and (b | 0x80) or b)
+  until length == 0
+  return string.char(number << 3 | 2) .. table.concat(bytes) .. text
+end
+
+local function substitute(rule, why)
+  local message = field(1, string.format("proxy rule %s: %s", rule, (why:gsub('[%c\\"%%]', "'"))))
+  return string.pack(">BI4", 0, #message) .. message
+end
+
+local StreamGuard = {id = "grpc stream guard", flags = filter.FLT_CFG_FL_HTX}
+StreamGuard.__index = StreamGuard
+
+function StreamGuard:new()
+  return setmetatable({pass = 0, skip = 0}, StreamGuard)
+end
+
+function StreamGuard:start_analyze(txn, chn)
+  if not chn:is_resp() and txn.f:path() == GRPC_STREAM then filter.register_data_filter(self, chn) end
+end
+
+function StreamGuard:http_payload(txn, msg)
+  while true do
+    local available = msg:input()
+    if available == 0 then return end
+    if self.pass > 0 then                         -- the rest of an admitted message
+      local n = msg:forward(math.min(self.pass, available))
+      self.pass = self.pass - n
+      if n == 0 then return end
+    elseif self.skip > 0 then                     -- the rest of a refused one
+      local n = msg:remove(0, math.min(self.skip, available))
+      self.skip = self.skip - n
+      if n == 0 then return end
+    else
+      if available < 5 then return end            -- a message header comes whole
+      local compressed, length = string.unpack(">BI4", msg:body(0, 5))
+      local total = 5 + length
+      local status, rule, why
+      if compressed ~= 0 or (MAX_BODY and length > MAX_BODY) then
+        status, rule, why = grpc_check(msg:body(0, 5), admit_known)
+      else
+        if available < total and not msg:is_full() and msg:may_recv() then return end  -- the message whole, or a full buffer
+        local ok
+        ok, status, rule, why = pcall(grpc_check, msg:body(0, math.min(total, available)), admit_known)
+        if not ok then status, rule, why = 400, "guard", "the proxy could not check this message" end
+      end
+      if status then
+        local have = math.min(total, available)
+        msg:remove(0, have)
+        self.skip = total - have
+        local replacement = substitute(rule, why)
+        msg:insert(replacement, 0)
+        msg:forward(#replacement)
+      else
+        self.pass = total
+      end
+    end
+  end
+end
+
+core.register_filter("stream_guard", StreamGuard, function(guard) return guard end)
+
+-- At a stream's start (an action may wait; the filter may not): what every served model declares, read again.
+core.register_action("stream_start", {"http-req"}, function() refresh_all() end, 0)
