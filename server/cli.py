@@ -47,6 +47,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-limit", metavar="N", type=int, default=50_000,
                    help="requests one client address may send through the proxy in 10 s (429 beyond). "
                         "Default: 50000.")
+    p.add_argument("--trusted-proxies", metavar="CIDR", nargs="+",
+                   help="address ranges of a proxy in front of this one (an ingress): the proxy counts their "
+                        "requests per client by the last X-Forwarded-For address and does not cap their "
+                        "connections per client. Default: none (every client counted by its own address; an IPv6 "
+                        "client by its /64).")
     p.add_argument("--max-in-flight", metavar="N", type=int,
                    help="inference requests the proxy lets reach Triton at once, per port; the rest wait in the "
                         "proxy's queue. Default: twice every instance's max_batch_size, summed over the "
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                     extra_args=extra, drain_seconds=args.drain_seconds)
         settings = ProxySettings(args.host, args.http_port, args.grpc_port, int(args.max_body_mb * (1 << 20)),
                                  args.rate_limit, max_in_flight=args.max_in_flight or in_flight(args.repository),
-                                 queue_ms=args.queue_ms, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                 queue_ms=args.queue_ms, trusted=" ".join(args.trusted_proxies or []) or None,
+                                 tls_cert=args.tls_cert, tls_key=args.tls_key,
                                  token_file=args.token_file)
     else:
         server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,

@@ -38,6 +38,9 @@ class ProxySettings:
     # Connections: all of them, and one client address's (each may pin a 1 MB buffer).
     max_connections: int = 512
     connections_per_client: int = 64
+    # Address ranges of a front proxy (an ingress), space-separated: its requests are counted per client by the last
+    # X-Forwarded-For address, and its connections are not capped per client.
+    trusted: str | None = None
     tls_cert: Path | None = None
     tls_key: Path | None = None
     token_file: Path | None = None
@@ -84,6 +87,8 @@ class Proxy:
                "PROXY_CONN_PER_CLIENT": str(s.connections_per_client), **self.upstream}
         if s.tls_cert is not None:
             env["PROXY_TLS_PEM"] = str(self._pem())
+        if s.trusted:
+            env["PROXY_TRUSTED"] = s.trusted
         if s.token_file is not None:
             env["PROXY_TOKEN_FILE"] = str(Path(s.token_file).resolve())
         return env

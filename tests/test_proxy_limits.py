@@ -247,3 +247,27 @@ def test_proxy_checks_each_message_of_a_grpc_stream_and_the_stream_goes_on_when_
     assert [a.infer_response.outputs[0].shape for a in answers if not a.error_message] == [[1, 1000]] * 3
     assert _inferences(server) == before + 3  # the refused messages never reached the model
     assert server.ready()
+
+
+def test_proxy_counts_clients_behind_a_trusted_ingress_by_their_forwarded_address_and_no_one_else(server, tmp_path):
+    def codes(proxy, forwarded: list[str]) -> list[int]:
+        out = []
+        for address in forwarded:
+            request = urllib.request.Request(f"http://{proxy.http_url}/v2/health/ready",
+                                             headers={"X-Forwarded-For": f"203.0.113.9, {address}"})
+            try:
+                with urllib.request.urlopen(request, timeout=10) as reply:
+                    out.append(reply.status)
+            except urllib.error.HTTPError as error:
+                out.append(error.code)
+        return out
+    behind = _proxy(server, tmp_path, rate_per_10s=3, trusted="127.0.0.0/8")
+    try:  # the last X-Forwarded-For address is the client: a bucket each
+        assert codes(behind, ["10.0.0.1"] * 4 + ["10.0.0.2"]) == [200, 200, 200, 429, 200]
+    finally:
+        behind.stop()
+    direct = _proxy(server, tmp_path, rate_per_10s=3)
+    try:  # from an untrusted peer the header is the client's own words: ignored
+        assert codes(direct, ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]) == [200, 200, 200, 429]
+    finally:
+        direct.stop()
