@@ -75,6 +75,14 @@ class ServeRepo:
             raise AssertionError(f"no private ports in {self.ready_line!r}")
         return int(found.group(1)), int(found.group(2))
 
+    @property
+    def overload_limits(self) -> dict:
+        """The proxy's overload bounds as serve-repo's ready line names them: {"max_in_flight": N, "queue_ms": MS}."""
+        found = re.search(r"max-in-flight (\d+)  queue-ms (\d+)", self.ready_line)
+        if not found:
+            raise AssertionError(f"no overload limits in {self.ready_line!r}")
+        return {"max_in_flight": int(found.group(1)), "queue_ms": int(found.group(2))}
+
     def stop(self):
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

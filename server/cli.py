@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         scheme = "https" if args.tls_cert else "http"
         print(f"proxy ready: HTTP {scheme}://{proxy.http_url}  gRPC {proxy.grpc_url}  metrics "
               f"{scheme}://{proxy.http_url}/metrics  (tritonserver on 127.0.0.1:{server.ports['http']}/"
-              f"{server.ports['grpc']}, private)  log {proxy.log_file}", flush=True)
+              f"{server.ports['grpc']}, private)  max-in-flight {settings.max_in_flight}  queue-ms {settings.queue_ms}"
+              f"  log {proxy.log_file}", flush=True)
     else:
         print(f"tritonserver ready: HTTP {server.http_url}  gRPC {server.grpc_url}  "
               f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
