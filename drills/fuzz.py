@@ -322,18 +322,19 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             outcome = run(("127.0.0.1", serve.ports[0]), f"127.0.0.1:{serve.ports[1]}", args.requests, args.seed)
             seconds = time.monotonic() - started
-            restarts = sum("restarting" in line for line in serve.lines)
+            restarts = sum("tritonserver died" in line for line in serve.lines)
+            proxy_restarts = sum("the proxy died" in line for line in serve.lines)
             same = serve.triton_pid == pid
         finally:
             serve.stop()
     result = {"machine": machine(), "requests": outcome.sent, "answered": outcome.answered,
               "unanswered_examples": outcome.unanswered, "honest": outcome.honest,
               "honest_answered_correctly": outcome.honest_right, "honest_wrong_examples": outcome.wrong,
-              "tritonserver_restarts": restarts, "tritonserver_same_process": same,
+              "tritonserver_restarts": restarts, "tritonserver_same_process": same, "proxy_restarts": proxy_restarts,
               "statuses": dict(sorted(outcome.statuses.items())), "proxy_rules": dict(sorted(outcome.rules.items())),
               "seconds": round(seconds, 1), "seed": args.seed}
     print(write_result(result, args.out))
-    ok = (restarts == 0 and same and outcome.answered == outcome.sent and outcome.honest_right == outcome.honest)
+    ok = (restarts == proxy_restarts == 0 and same and outcome.answered == outcome.sent and outcome.honest_right == outcome.honest)
     return 0 if ok else 1
 
 

@@ -694,16 +694,18 @@ local function check(txn)
 end
 
 -- Overload: the queue before Triton (`backend`'s, its server capped at `in_flight` requests) may hold what Triton
--- answers in `queue_ms` at the rate it answers now, and `in_flight` at least; beyond, refused at once.
-core.register_action("overload", {"http-req"}, function(txn, backend, queue_ms, in_flight)
+-- answers in `queue_ms` at the rate it answered in the last second (`answered`, a table counting answers), and
+-- `in_flight` at least; beyond, refused at once.
+core.register_action("overload", {"http-req"}, function(txn, backend, answered, queue_ms, in_flight)
   local queued = txn.f:queue(backend) or 0
   if queued == 0 then return end
-  local room = math.max(tonumber(in_flight), (txn.f:be_sess_rate(backend) or 0) * tonumber(queue_ms) // 1000)
+  local rate = txn.c:table_gpc0_rate(0, answered) or 0
+  local room = math.max(tonumber(in_flight), rate * tonumber(queue_ms) // 1000)
   if queued >= room then
     refuse(txn, 503, "overload", string.format("Triton is at capacity and %d requests wait already; try again",
                                                queued))
   end
-end, 3)
+end, 4)
 
 -- The holding layer's own check: a replay of a quarantined request goes no further.
 core.register_action("hold", {"http-req"}, function(txn)
@@ -755,10 +757,10 @@ function StreamGuard:start_analyze(txn, chn)
 end
 
 function StreamGuard:http_payload(txn, msg)
-  while true do
+  for _ = 1, 64 do                                -- bounded: a filter must give the hand back
     local available = msg:input()
     if available == 0 then return end
-    if self.pass > 0 then                         -- the rest of an admitted message
+    if self.pass > 0 then                         -- the rest of an admitted message (or of a replacement)
       local n = msg:forward(math.min(self.pass, available))
       self.pass = self.pass - n
       if n == 0 then return end
@@ -781,11 +783,12 @@ function StreamGuard:http_payload(txn, msg)
       end
       if status then
         local have = math.min(total, available)
-        msg:remove(0, have)
+        local removed = msg:remove(0, have)
+        if removed ~= have then return filter.ERROR end  -- never guess where the next message starts
         self.skip = total - have
         local replacement = substitute(rule, why)
-        msg:insert(replacement, 0)
-        msg:forward(#replacement)
+        if msg:insert(replacement, 0) ~= #replacement then return filter.ERROR end
+        self.pass = #replacement                  -- forwarded, unchecked, by the next turn of the loop
       else
         self.pass = total
       end

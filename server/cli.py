@@ -54,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
                         "client by its /64).")
     p.add_argument("--max-in-flight", metavar="N", type=int,
                    help="inference requests the proxy lets reach Triton at once, per port; the rest wait in the "
-                        "proxy's queue. Default: twice every instance's max_batch_size, summed over the "
-                        "repository's models (16 at least).")
+                        "proxy's queue. Default: twice the largest model's max_batch_size x instances (8 at "
+                        "least; 16 for build-repo's CPU defaults).")
     p.add_argument("--queue-ms", metavar="MS", type=int, default=500,
                    help="overload: a request that would expect to wait longer than this in the proxy's queue (at "
                         "the rate Triton answers now) is refused at once with 503 (gRPC UNAVAILABLE), rule "

@@ -71,12 +71,13 @@ def fingerprint(model_dir: Path) -> tuple:
     return tuple(files)
 
 
-def in_flight(repository: Path, least: int = 16) -> int:
-    """How many inference requests the proxy lets reach Triton at once for `repository`: enough to fill every
-    instance's batch twice over (one batch running, the next one forming in Triton's dynamic batcher), summed
-    over the models that run (ensembles only route), and `least` at least. The rest wait in the proxy's queue,
-    where overload is refused at once instead of piling up in Triton's unbounded one."""
-    total = 0
+def in_flight(repository: Path, least: int = 8) -> int:
+    """How many inference requests the proxy lets reach Triton at once for `repository`: enough to fill the
+    largest model's instances twice over (a batch running on each, the next one forming in Triton's dynamic
+    batcher; ensembles only route), and `least` at least. The rest wait in the proxy's queue, where overload is
+    refused at once instead of piling up in Triton's unbounded one: every request let in beyond this only waits
+    longer inside Triton."""
+    largest = 0
     for config_path in Path(repository).glob("*/config.pbtxt"):
         try:
             config = read_config(config_path)
@@ -85,8 +86,8 @@ def in_flight(repository: Path, least: int = 16) -> int:
         if config.platform == "ensemble":
             continue
         instances = sum(max(1, group.count) for group in config.instance_group) or 1
-        total += 2 * max(1, config.max_batch_size) * instances
-    return max(least, total)
+        largest = max(largest, 2 * max(1, config.max_batch_size) * instances)
+    return max(least, largest)
 
 
 def uses_gpu(repository: Path) -> bool:

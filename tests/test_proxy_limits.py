@@ -207,12 +207,13 @@ def test_fuzzed_requests_never_restart_triton_and_honest_ones_are_answered_corre
     triton = start_server(repository)
     proxy = _proxy(triton, tmp_path)
     try:
-        pid = triton.pid
+        pid, proxy_pid = triton.pid, proxy.pid
         outcome = fuzz.run(("127.0.0.1", proxy.settings.http_port), proxy.grpc_url, 600, seed=7, honest_share=0.2)
         assert outcome.sent == outcome.answered == 600, outcome.unanswered
         assert outcome.honest > 50 and outcome.honest_right == outcome.honest, outcome.wrong
         assert sum(outcome.rules.values()) > 200 and {"shape", "datatype", "data-size"} <= set(outcome.rules)
         assert triton.pid == pid and triton.ready()
+        assert proxy.running() and proxy.pid == proxy_pid  # HAProxy itself never died (its watchdog, a Lua loop)
     finally:
         proxy.stop()
 
