@@ -23,7 +23,7 @@ import psutil
 
 from common.cli import OneLineParser, write_result
 from common.precision import TOLERANCE as TOLERANCES
-from drills.serve import ServeRepo
+from perf.serve import ServeRepo
 from server.procfs import remove_stale, stubs_of
 
 RECOVERY_LIMIT = 180.0  # seconds: only catches "never"; measured recovery is ~9 s on 2 cores
@@ -33,6 +33,9 @@ TOLERANCE = TOLERANCES["fp32"]  # the served fp32 model against in-process fp32
 # it looks at `data`, throws std::bad_alloc and aborts. The binary and gRPC paths refuse the same shape.
 CRASHING_BODY = (b'{"inputs":[{"name":"IMAGE","shape":[100000,3,224,224],"datatype":"FP32",'
                  b'"data":[1,2,3,4,5,6,7,8,9,10]}]}')
+# Its 90-byte sibling: a 0 dim beside 2**64-1, which Triton 2.51 reads as int64 -1 (element count -1, byte size
+# (size_t)-4: std::length_error, abort). A guard multiplying the dims gets 0 and let it through.
+WRAPPING_BODY = b'{"inputs":[{"name":"IMAGE","shape":[0,18446744073709551615],"datatype":"FP32","data":[]}]}'
 
 
 def image(seed: int) -> np.ndarray:

@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="Default: 0.")
     p.add_argument("--out", type=Path, help="JSON to write. Default: print only.")
     args = p.parse_args(argv)
-    from drills.serve import ServeRepo
+    from perf.serve import ServeRepo
     from perf.bench import machine
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from support import build

@@ -23,21 +23,22 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import OneLineParser, write_result
-from drills.faults import CRASHING_BODY, image
-from drills.serve import ServeRepo
+from drills.faults import CRASHING_BODY, WRAPPING_BODY, image
+from perf.serve import ServeRepo
 from drills.traffic import STREAMS, capacity, drill, infer, kill_tritonserver, references
 
 PROXY = ("--proxy", "on")
 
 
 def crash_every_second(serve: ServeRepo, model: str, count: int = 100) -> dict:
-    """The ~100-byte request that aborts tritonserver 2.51, sent `count` times, one a second, to the proxy."""
+    """The ~100-byte requests that abort tritonserver 2.51 (the huge shape and the wrapping one, in turn), sent
+    `count` times, one a second, to the proxy."""
     details = {"crash_requests": 0, "crash_answers": {}, "tritonserver_pid_unchanged": None}
     pid = serve.triton_pid
 
     def send():
-        for _ in range(count):
-            status = _post(serve.ports[0], model, CRASHING_BODY)
+        for index in range(count):
+            status = _post(serve.ports[0], model, (CRASHING_BODY, WRAPPING_BODY)[index % 2])
             details["crash_requests"] += 1
             details["crash_answers"][status] = details["crash_answers"].get(status, 0) + 1
             time.sleep(1)

@@ -31,7 +31,7 @@ import numpy as np
 from common.cli import OneLineParser, write_result
 from drills.faults import CRASHING_BODY, TOLERANCE, image
 from drills.outcomes import Outcome, summary
-from drills.serve import ServeRepo
+from perf.serve import ServeRepo
 from perf.samples import CAT
 from server.procfs import running_stubs, stubs_of
 

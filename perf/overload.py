@@ -192,7 +192,7 @@ def _levels(http_url: str, grpc_url: str, args, image: np.ndarray) -> tuple[floa
 
 
 def _via_proxy(repo: Path, serve_flags: list[str], args, image: np.ndarray) -> dict:
-    from drills.serve import ServeRepo
+    from perf.serve import ServeRepo
 
     serve = ServeRepo(repo, "--proxy", "on", *serve_flags)
     try:

@@ -88,7 +88,7 @@ def _served(repo: Path, via: str, serve_flags: list[str]):
     """{"urls": {"http": ..., "grpc": ...}, "ready": callable, "limits": the proxy's overload bounds} while served
     `via` the proxy (serve-repo --proxy on) or tritonserver alone."""
     if via == "proxy":
-        from drills.serve import ServeRepo
+        from perf.serve import ServeRepo
 
         serve = ServeRepo(repo, "--proxy", "on", *serve_flags)
         served = {"urls": {"http": f"127.0.0.1:{serve.ports[0]}", "grpc": f"127.0.0.1:{serve.ports[1]}"},

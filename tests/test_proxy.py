@@ -23,8 +23,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from common.procs import free_port
-from drills.faults import CRASHING_BODY, running
-from drills.serve import ServeRepo
+from drills.faults import CRASHING_BODY, WRAPPING_BODY, running
+from perf.serve import ServeRepo
 from images import CAT
 from server.proxy import Proxy, ProxySettings
 from support import SMALL, build
@@ -76,8 +76,6 @@ def _dims(shape: str, datatype: str = "FP32", name: str = "IMAGE", data: str = "
         name.encode(), shape.encode(), datatype.encode(), data.encode())
 
 
-# The issue's 90 bytes: a 0 dim made the old guard's product 0; Triton reads the other dim as int64 -1 and aborts.
-WRAPPING_BODY = b'{"inputs":[{"name":"IMAGE","shape":[0,18446744073709551615],"datatype":"FP32","data":[]}]}'
 
 
 @pytest.mark.parametrize("body, status, rule", [

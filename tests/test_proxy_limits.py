@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from drills import fuzz
-from drills.serve import ServeRepo
+from perf.serve import ServeRepo
 from support import SMALL
 from test_proxy import _inferences, _proxy, _tensor
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from drills.serve import ServeRepo
+from perf.serve import ServeRepo
 from server import triton
 from server.log import TritonLog
 from server.procfs import KEPT_LOG_FOLDER, remove_stale, with_parent_death

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from drills import faults
-from drills.serve import ServeRepo
+from perf.serve import ServeRepo
 from support import SMALL, reference_logits
 from server.procfs import remove_stale
 
