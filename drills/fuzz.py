@@ -249,7 +249,7 @@ def _send_grpc(target: str, rng: random.Random, count: int, outcome: Outcome, ho
                                       response_deserializer=pb.ModelStreamInferResponse.FromString)
     sent = 0
     while sent < count:
-        if rng.random() < 0.5:
+        if rng.random() >= 1 / (1 + stream_size):  # as many messages on streams as unary requests
             data, expected = _grpc_request(rng, rng.random() < honest_share)
             try:
                 response = unary(data, timeout=60)
