@@ -668,12 +668,15 @@ end
 
 -- Overload: the queue before Triton (`backend`'s, its server capped at `in_flight` requests) may hold what Triton
 -- answers in `queue_ms` at the rate it answered in the last second (`answered`, a table counting answers), and
--- `in_flight` at least; beyond, refused at once.
+-- `in_flight` at least, plus what the holding layer still holds; beyond, refused at once.
 core.register_action("overload", {"http-req"}, function(txn, backend, answered, queue_ms, in_flight)
   local queued = txn.f:queue(backend) or 0
   if queued == 0 then return end
   local rate = txn.c:table_gpc0_rate(0, answered) or 0
-  local room = math.max(tonumber(in_flight), rate * tonumber(queue_ms) // 1000)
+  -- Requests held while Triton restarted (the holding layer, `backend`'s backup server) reach it first when it
+  -- is back: they are no overload, and the requests behind them wait for them too.
+  local held = txn.f:srv_conn(backend .. "/hold") or 0
+  local room = math.max(tonumber(in_flight), rate * tonumber(queue_ms) // 1000) + held
   if queued >= room then
     refuse(txn, 503, "overload", string.format("Triton is at capacity and %d requests wait already; try again",
                                                queued))
