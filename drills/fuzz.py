@@ -76,6 +76,20 @@ def _mutate_shape(rng: random.Random, shape: list, pool: list) -> list:
     return shape
 
 
+def _mutate_declared(rng: random.Random, tensor: dict, kind: int, pool: list) -> None:
+    """Kinds 0 and 1, the same on every protocol: a shape mutated with dims from `pool`, or another datatype."""
+    if kind == 0:
+        tensor["shape"] = _mutate_shape(rng, tensor["shape"], pool)
+    elif kind == 1:
+        tensor["datatype"] = rng.choice(DATATYPES)
+
+
+def _corrupt(rng: random.Random, data: bytes) -> bytes:
+    """`data` cut short, or with one byte replaced."""
+    cut = rng.randrange(1, len(data))
+    return data[:cut] if rng.random() < 0.5 else data[:cut] + bytes([rng.randrange(256)]) + data[cut + 1:]
+
+
 def http_json(rng: random.Random, honest: bool) -> tuple[str, dict, bytes, np.ndarray | None]:
     batch = rng.randint(1, 8)
     values = _values(rng, batch)
@@ -83,11 +97,8 @@ def http_json(rng: random.Random, honest: bool) -> tuple[str, dict, bytes, np.nd
     if honest:
         return f"/v2/models/{ECHO}/infer", {}, _json_request([tensor]), values
     kind = rng.randrange(8)
-    if kind == 0:
-        tensor["shape"] = _mutate_shape(rng, tensor["shape"], JSON_DIMS)
-    elif kind == 1:
-        tensor["datatype"] = rng.choice(DATATYPES)
-    elif kind == 2:
+    _mutate_declared(rng, tensor, kind, JSON_DIMS)
+    if kind == 2:
         tensor["data"] = tensor["data"][: rng.randrange(len(tensor["data"]))] + [rng.choice([1, "x", None, [1]])] * rng.randrange(3)
     elif kind == 3:
         tensor["name"] = rng.choice(["Y", "", "X\u0000", "IMAGE", "x" * 300])
@@ -99,8 +110,7 @@ def http_json(rng: random.Random, honest: bool) -> tuple[str, dict, bytes, np.nd
         tensor = {"name": rng.choice(["X", IMAGE]), "shape": [0, rng.choice(DIMS)], "datatype": "FP32", "data": []}
     body = _json_request([tensor])
     if kind == 7:  # bytes: truncated, or one flipped
-        cut = rng.randrange(1, len(body))
-        body = body[:cut] if rng.random() < 0.5 else body[:cut] + bytes([rng.randrange(256)]) + body[cut + 1:]
+        body = _corrupt(rng, body)
     model = rng.choice([ECHO, ECHO, ECHO, "resnet18", "nosuch"])
     return f"/v2/models/{model}/infer", {}, body, None
 
@@ -113,17 +123,14 @@ def http_binary(rng: random.Random, honest: bool) -> tuple[str, dict, bytes, np.
     header_length = None
     if not honest:
         kind = rng.randrange(6)
-        if kind == 0:
-            tensor["shape"] = _mutate_shape(rng, tensor["shape"], DIMS)
-        elif kind == 1:
-            tensor["datatype"] = rng.choice(DATATYPES)
-        elif kind == 2:
+        _mutate_declared(rng, tensor, kind, DIMS)
+        if kind == 2:
             tensor["parameters"]["binary_data_size"] = rng.choice([0, len(raw) - 1, len(raw) + 1, -1, 2 ** 63, 1.5])
         elif kind == 3:
             raw = raw[: rng.randrange(len(raw))] if rng.random() < 0.5 else raw + b"\0" * rng.randint(1, 64)
         elif kind == 4:
             header_length = rng.choice([0, 1, -1, 10 ** 9, "x"])
-        else:
+        elif kind == 5:
             tensor["shape"] = [rng.choice(DIMS), rng.choice(DIMS)]
             tensor["parameters"]["binary_data_size"] = rng.choice([0, 4, 16])
             raw = raw[: tensor["parameters"]["binary_data_size"]]
@@ -163,8 +170,7 @@ def _grpc_request(rng: random.Random, honest: bool):
         tensor.parameters["shared_memory_region"].string_param = "region"
     data = request.SerializeToString()
     if kind == 7:
-        cut = rng.randrange(1, len(data))
-        data = data[:cut] if rng.random() < 0.5 else data[:cut] + bytes([rng.randrange(256)]) + data[cut + 1:]
+        data = _corrupt(rng, data)
     return data, None
 
 

@@ -11,10 +11,26 @@ from support import SMALL
 PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 
 
+@pytest.mark.parametrize("via", ["triton", "proxy"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_perf_analyzer_runs_clean_with_random_data_when_given_only_the_model_name(server, protocol):
-    """`perf_analyzer -m NAME`: no input file, random data for every input the metadata declares."""
+def test_perf_analyzer_runs_clean_with_random_data_when_given_only_the_model_name(server, protocol, via, tmp_path):
+    """`perf_analyzer -m NAME`: no input file, random data for every input the metadata declares; straight to
+    Triton and through serve-repo's proxy, whose guard admits only what the model declares."""
     assert PERF_ANALYZER.is_file(), "setup installs it: tools/install_perf_analyzer.sh"
+    proxy = None
+    if via == "proxy":
+        if not hasattr(server, "ports"):
+            pytest.skip("the proxy needs the local server's ports")
+        from test_proxy import _proxy
+        proxy = server = _proxy(server, tmp_path)
+    try:
+        _run_perf_analyzer(server, protocol)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+
+
+def _run_perf_analyzer(server, protocol):
     url = server.http_url if protocol == "http" else server.grpc_url
     if not url:
         pytest.skip("TRITON_GRPC_URL not set for the external server")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import textwrap
 import threading
 import time
@@ -67,12 +68,13 @@ def _probe(module, value: float):
 
 
 def _raw(port: int, data: bytes, wait: float = 10) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
-        sock.sendall(data)
-        try:
+    """What the proxy answers to `data` on a new connection; b"" where it closed or reset it instead."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+            sock.sendall(data)
             return sock.recv(65536)
-        except (ConnectionResetError, TimeoutError):
-            return b""
+    except (ConnectionResetError, BrokenPipeError, TimeoutError):
+        return b""
 
 
 def test_proxy_refuses_a_body_on_a_non_inference_request_when_it_is_chunked(server, tmp_path):
@@ -100,25 +102,38 @@ def test_proxy_speaks_only_http1_on_the_http_port_when_a_client_opens_cleartext_
         proxy.stop()
 
 
+def _accepted_connections(port: int) -> int:
+    """Connections the proxy still holds on `port` (its side of them: established or being closed)."""
+    listed = subprocess.run(["ss", "-Htn", "state", "connected", f"( sport = :{port} )"], capture_output=True,
+                            text=True, check=True).stdout
+    return len(listed.splitlines())
+
+
 def test_proxy_caps_one_clients_connections_when_it_opens_more_than_allowed(server, tmp_path):
     proxy = _proxy(server, tmp_path, connections_per_client=3)
-    held = [socket.create_connection(("127.0.0.1", proxy.settings.http_port), timeout=10) for _ in range(6)]
-    served = 0
+    port = proxy.settings.http_port
+    deadline = time.monotonic() + 30
+    while _accepted_connections(port):  # Proxy.start's own probe, counted until HAProxy has closed it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    held = []
     try:
-        for sock in held:
+        served = []
+        for _ in range(6):  # one after another: the first three are served, the next three refused
             try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+                held.append(sock)
                 sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n")
-                served += sock.recv(4096).startswith(b"HTTP/1.1 200")
+                served.append(sock.recv(4096).startswith(b"HTTP/1.1 200"))
             except OSError:  # refused: closed at once
-                pass
-        assert 1 <= served <= 3
+                served.append(False)
+        assert served == [True] * 3 + [False] * 3
     finally:
         for sock in held:
             sock.close()
     try:  # the client's connections closed, it is served again
-        deadline = time.monotonic() + 30
-        while _raw(proxy.settings.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n")[:12] != b"HTTP/1.1 200":
-            assert time.monotonic() < deadline
+        while _raw(port, b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n")[:12] != b"HTTP/1.1 200":
+            assert time.monotonic() < deadline + 30
             time.sleep(0.1)
     finally:
         proxy.stop()

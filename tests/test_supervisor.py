@@ -301,7 +301,7 @@ def test_proxy_that_keeps_dying_is_restarted_with_backoff_then_given_up_naming_i
     took = time.monotonic() - started
     assert status == 1 and not stop.is_set(), f"still restarting after {took:.0f}s: {proxy.starts} starts"
     assert proxy.starts == 3  # --max-restarts in a row, then no more
-    assert 1.5 <= took < 10, took  # restarted at once, then after 0.5 s and 1 s
+    assert took >= 1.5, took  # restarted at once, then after at least 0.5 s and 1 s (the backoff's waits)
     assert "the proxy died (exit status 1)" in supervisor.failure and _DyingProxy.WORDS in supervisor.failure
     assert "not restarted: 3 restarts in a row" in supervisor.failure, supervisor.failure
     assert [line for line in lines if "restarting it (" in line][-1].endswith("(3/3) in 1s")
