@@ -2,6 +2,7 @@
 and tests: its output collected line by line, waited on, its tritonserver found, stopped with SIGTERM."""
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -90,3 +91,24 @@ class ServeRepo:
                 self.process.wait(60)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+
+
+class TorchServeFront(ServeRepo):
+    """`python -m server.cli --torchserve-config FILE` as a TorchServe user starts it: FILE is written with free
+    inference, management and metrics ports and `properties` (model_store=..., load_models=..., ...)."""
+
+    def __init__(self, folder: Path, *flags: str, timeout: float = 600, **properties: str):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.ports = [free_port() for _ in range(3)]
+        self.inference_url, self.management_url, self.metrics_url = (f"http://127.0.0.1:{p}" for p in self.ports)
+        addresses = {"inference_address": self.inference_url, "management_address": self.management_url,
+                     "metrics_address": self.metrics_url}
+        self.config = folder / "config.properties"
+        self.config.write_text("".join(f"{k}={v}\n" for k, v in {**addresses, **properties}.items()))
+        self.process = subprocess.Popen([sys.executable, "-m", "server.cli", "--torchserve-config", str(self.config),
+                                         *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.lines = []
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.ready_line = self.wait_for("torchserve API ready", timeout)

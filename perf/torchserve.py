@@ -18,14 +18,19 @@ from common.procs import free_port, pid_alive
 
 # TorchServe's eager convention, as its resnet_152_batch example ships it: a module class whose
 # constructor takes no argument; the archive's serialized file is that module's state_dict.
-MODEL_CODE = '''"""ResNet-152 in TorchServe's eager convention (its resnet_152_batch example's model.py)."""
-from torchvision.models.resnet import Bottleneck, ResNet
+MODEL_CODE = {
+    "resnet152": ("Bottleneck", [3, 8, 36, 3]),
+    "resnet50": ("Bottleneck", [3, 4, 6, 3]),
+    "resnet18": ("BasicBlock", [2, 2, 2, 2]),
+}
 
 
-class ImageClassifier(ResNet):
-    def __init__(self):
-        super().__init__(Bottleneck, [3, 8, 36, 3])
-'''
+def model_code(arch: str) -> str:
+    block, layers = MODEL_CODE[arch]
+    return (f'"""{arch} in TorchServe\'s eager convention (its resnet_152_batch example\'s model.py)."""\n'
+            f"from torchvision.models.resnet import {block}, ResNet\n\n\n"
+            f"class ImageClassifier(ResNet):\n    def __init__(self):\n"
+            f"        super().__init__({block}, {layers})\n")
 
 
 class TorchServeError(RuntimeError):
@@ -56,24 +61,31 @@ def imagenet_labels() -> dict[str, list[str]]:
     return {str(i): [f"n{i:08d}", name.replace(" ", "_")] for i, name in enumerate(names)}
 
 
-def resnet152_archive(store: Path, name: str, batch_size: int, delay_ms: int, workers: int, seed: int = 0) -> Path:
-    """<store>/<name>.mar: the weights `build-repo --model resnet152 --weights random --seed SEED` serves."""
+def resnet_archive(store: Path, name: str, batch_size: int | None, delay_ms: int | None, workers: int | None,
+                   seed: int = 0, arch: str = "resnet152", fc_scale: float = 1.0, version: str = "1.0") -> Path:
+    """<store>/<name>.mar: the weights `build-repo --model ARCH --weights random --seed SEED` serves (the last layer
+    scaled by `fc_scale`: a random ResNet's logits are so large that its softmax is one 1.0 and zeros); its
+    model-config.yaml holds the batching and workers given (None: left to the registration)."""
     import torch
     import torchvision
 
     torch.manual_seed(seed)
-    state = torchvision.models.resnet152(weights=None).state_dict()
+    state = getattr(torchvision.models, arch)(weights=None).state_dict()
+    state["fc.weight"] *= fc_scale
+    state["fc.bias"] *= fc_scale
     src = store.parent / f"{name}-src"
     src.mkdir(parents=True, exist_ok=True)
-    (src / "model.py").write_text(MODEL_CODE)
+    (src / "model.py").write_text(model_code(arch))
     torch.save(state, src / "weights.pth")
     (src / "index_to_name.json").write_text(json.dumps(imagenet_labels()))
-    (src / "model-config.yaml").write_text(f"minWorkers: {workers}\nmaxWorkers: {workers}\n"
-                                           f"batchSize: {batch_size}\nmaxBatchDelay: {delay_ms}\n")
-    argv = [executables()["torch-model-archiver"], "--model-name", name, "--version", "1.0",
+    settings = {"minWorkers": workers, "maxWorkers": workers, "batchSize": batch_size, "maxBatchDelay": delay_ms}
+    lines = "".join(f"{k}: {v}\n" for k, v in settings.items() if v is not None)
+    (src / "model-config.yaml").write_text(lines)
+    argv = [executables()["torch-model-archiver"], "--model-name", name, "--version", version,
             "--model-file", str(src / "model.py"), "--serialized-file", str(src / "weights.pth"),
             "--handler", "image_classifier", "--extra-files", str(src / "index_to_name.json"),
-            "--config-file", str(src / "model-config.yaml"), "--export-path", str(store), "--force"]
+            *(["--config-file", str(src / "model-config.yaml")] if lines else []), "--export-path", str(store),
+            "--force"]
     store.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -164,10 +176,11 @@ class TorchServe:
 
 
 @contextmanager
-def started(folder: Path, archive: Path, workers: int, timeout: float = 600):
-    """torchserve --start with `archive` registered, ready; stopped (and its pids ended) on exit."""
+def started(folder: Path, archive: Path, workers: int, timeout: float = 600, properties: dict | None = None):
+    """torchserve --start with `archive` registered, ready; stopped (and its pids ended) on exit. `properties`: more
+    config.properties lines (enable_model_api=true, ...)."""
     commands = executables()
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(5)]
     server = TorchServe(folder, archive.stem, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
     for sub in ("tmp", "logs"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
@@ -175,7 +188,10 @@ def started(folder: Path, archive: Path, workers: int, timeout: float = 600):
     config.write_text("\n".join([
         f"inference_address={server.inference_url}", f"management_address={server.management_url}",
         f"metrics_address=http://127.0.0.1:{ports[2]}", f"default_workers_per_model={workers}",
-        "install_py_dep_per_model=false", "disable_token_authorization=true", ""]))
+        # its gRPC ports too (7070/7071 by default): a second torchserve on the machine would stop this one
+        f"grpc_inference_port={ports[3]}", f"grpc_management_port={ports[4]}",
+        "install_py_dep_per_model=false", "disable_token_authorization=true",
+        *(f"{key}={value}" for key, value in (properties or {}).items()), ""]))
     launch = [commands["torchserve"], "--start", "--ncs", "--disable-token-auth", "--ts-config", str(config),
               "--model-store", str(archive.parent), "--models", f"{archive.stem}={archive.name}"]
     with open(folder / "logs" / "launcher.log", "ab") as sink:

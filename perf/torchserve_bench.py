@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="ts-bench-") as tmp:
             folder = Path(tmp)
             print(f"building {MODEL}.mar ...", file=sys.stderr)
-            archive = torchserve.resnet152_archive(folder / "model_store", MODEL, args.batch_size,
+            archive = torchserve.resnet_archive(folder / "model_store", MODEL, args.batch_size,
                                                    args.max_batch_delay_ms, args.workers)
             print("starting torchserve ...", file=sys.stderr)
             with torchserve.started(folder, archive, args.workers, args.start_timeout) as server:

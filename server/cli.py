@@ -80,6 +80,30 @@ def parser() -> argparse.ArgumentParser:
                         "(removed after a clean stop, kept after a failure); the proxy's is "
                         "<tmp>/triton-serve-logs/haproxy-<http port>.log, kept.")
     p.add_argument("--timeout", metavar="S", type=float, default=600, help="seconds to wait until ready. Default: 600.")
+    ts = p.add_argument_group("TorchServe's API (instead of --repository: start as torchserve starts)")
+    ts.add_argument("--torchserve-config", "--ts-config", metavar="FILE", type=Path,
+                    help="TorchServe's config.properties: its inference, management and metrics addresses, "
+                         "model_store, load_models, models, enable_model_api, max_request_size, job_queue_size, "
+                         "token settings; a key not supported here is named once in the log. Default: none.")
+    ts.add_argument("--model-store", metavar="DIR", type=Path,
+                    help="TorchServe's model store (.mar files): serve its API on ports 8080/8081/8082, each "
+                         "archive built by build-repo --from-mar (cached in DIR/.triton) and batched by Triton. "
+                         "Default: model_store= of --torchserve-config.")
+    ts.add_argument("--models", metavar="MODEL", nargs="+",
+                    help="archives to load at start, as torchserve --models: all, FILE.mar or NAME=FILE.mar. "
+                         "Default: load_models= of --torchserve-config, else none.")
+    ts.add_argument("--enable-model-api", action="store_true",
+                    help="allow registering and unregistering models (POST/DELETE /models), as TorchServe >= "
+                         "0.11.1. Default: off.")
+    ts.add_argument("--disable-token-auth", action="store_true",
+                    help="no token on the TorchServe APIs (else key_file.json in the working directory holds the "
+                         "inference and management keys). Default: tokens on, as TorchServe >= 0.11.")
+    ts.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"),
+                    help="build-repo --precision for the archives. Default: build-repo's (fp32 on CPU: the "
+                         "archive's own answers).")
+    ts.add_argument("--trust-model-code", action="store_true",
+                    help="build-repo --trust-model-code: run an archive's model file where its weights fit no "
+                         "torchvision model. Default: off.")
     p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
                    help="flags passed to tritonserver unchanged, after `--` (e.g. -- --log-verbose=1 "
                         "--cuda-memory-pool-byte-size=0:1073741824). Default: none; a repository with GPU "
@@ -95,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_in_flight is not None and args.max_in_flight < 1 or args.queue_ms < 1:
         p.error("--max-in-flight and --queue-ms must be >= 1")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
+    if args.torchserve_config or args.model_store:
+        return _torchserve(args, extra)
     ipv6 = ":" in args.host  # Triton 2.51's gRPC server cannot parse an IPv6 address: the proxy listens there
     use_proxy = args.proxy == "on" or args.proxy == "auto" and (exposed(args.host) or ipv6)
     if not use_proxy and ipv6:
@@ -166,6 +192,18 @@ def main(argv: list[str] | None = None) -> int:
     server.stop()
     print("tritonserver stopped", flush=True)
     return 0
+
+
+def _torchserve(args, extra: list[str]) -> int:
+    from server.torchserve.run import serve
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def log(line: str, error: bool = False) -> None:
+        print(line, file=sys.stderr if error else sys.stdout, flush=True)
+    return serve(args, extra, stop, log)
 
 
 def proxy_log(log_file: Path | None, http_port: int) -> Path:

@@ -1,0 +1,131 @@
+"""A model store's archives: where a registration's url points, its manifest and labels, its build, cached."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from common.messages import first_line
+
+MANIFEST = "MAR-INF/MANIFEST.json"
+MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to this much
+
+
+class ArchiveProblem(ValueError):
+    """The url names no usable archive (TorchServe: 400/404); the message is one line."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "InvalidModelException"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass(frozen=True)
+class ArchiveInfo:
+    path: Path
+    url: str  # as registered (TorchServe's modelUrl)
+    name: str  # the manifest's modelName
+    version: str  # the manifest's modelVersion
+    handler: str
+    labels: dict[str, str] | None  # index_to_name.json as TorchServe's handlers read it
+    sha256: str
+
+
+def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES) -> Path:
+    """The archive file `url` names: a file in the model store, a path, or an http(s) URL fetched into the store."""
+    scheme = urlsplit(url).scheme
+    if scheme in ("http", "https"):
+        return _download(url, store, max_bytes)
+    if scheme == "file":
+        url = urlsplit(url).path
+    candidate = Path(url)
+    path = candidate if candidate.is_absolute() else store / candidate
+    if not path.is_file():
+        raise ArchiveProblem(f"Model not found at: {url}", 404, "ModelNotFoundException")
+    return path
+
+
+def _download(url: str, store: Path, max_bytes: int) -> Path:
+    name = Path(urlsplit(url).path).name or "model.mar"
+    target = store / name
+    if target.exists():
+        return target  # TorchServe too: a url whose file is already in the store is not fetched again
+    partial = Path(tempfile.mkstemp(prefix=".download-", dir=store)[1])
+    try:
+        with urllib.request.urlopen(url, timeout=60) as reply, open(partial, "wb") as sink:
+            total = 0
+            while chunk := reply.read(1 << 20):
+                total += len(chunk)
+                if total > max_bytes:
+                    raise ArchiveProblem(f"Failed to download archive from: {url} (over {max_bytes:,} bytes)",
+                                         kind="DownloadArchiveException")
+                sink.write(chunk)
+        os.replace(partial, target)
+    except (OSError, ValueError) as exc:
+        raise ArchiveProblem(f"Failed to download archive from: {url} ({first_line(exc)})",
+                             kind="DownloadArchiveException") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def inspect(path: Path, url: str) -> ArchiveInfo:
+    """Manifest, handler and labels of the archive at `path` (nothing extracted but these two small files)."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as source:
+            while chunk := source.read(1 << 20):
+                digest.update(chunk)
+        with zipfile.ZipFile(path) as archive:
+            model = json.loads(archive.read(MANIFEST)).get("model") or {}
+            names = set(archive.namelist())
+            labels = json.loads(archive.read("index_to_name.json")) if "index_to_name.json" in names else None
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError):
+        raise ArchiveProblem(f"Model name is not defined: {url} is not a model archive (.mar)") from None
+    if not isinstance(model, dict) or not model.get("modelName"):
+        raise ArchiveProblem("Model name is not defined.")
+    return ArchiveInfo(path, url, str(model["modelName"]), str(model.get("modelVersion") or "1.0"),
+                       str(model.get("handler") or ""), _labels(labels), digest.hexdigest())
+
+
+def _labels(mapping) -> dict[str, str] | None:
+    """index_to_name.json as ts.utils.util.load_label_mapping reads it: a list value stands for its last item."""
+    if not isinstance(mapping, dict):
+        return None
+    if isinstance(mapping.get("object_type_names"), list):
+        return {str(i): str(v) for i, v in enumerate(mapping["object_type_names"])}
+    return {str(k): str(v[-1] if isinstance(v, list) and v else v) for k, v in mapping.items()}
+
+
+def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> Path:
+    """A model repository holding `triton_name` (+ _preprocess, _image) built by build-repo from the archive,
+    cached by the archive's checksum and the build's options: a restart or a second registration reuses it."""
+    key = hashlib.sha256(json.dumps([info.sha256, triton_name, options]).encode()).hexdigest()[:24]
+    built = cache / key
+    if (built / triton_name / "config.pbtxt").is_file():
+        return built
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
+    command = [sys.executable, "-m", "builder.cli", "--from-mar", str(info.path), "--name", triton_name,
+               "--output", str(staging / "repo"), *options]
+    log(f"building {triton_name} from {info.path.name}: build-repo {' '.join(command[3:])}")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        reason = (result.stderr.strip().splitlines() or ["build-repo failed"])[-1]
+        raise ArchiveProblem(f"Failed to load model {info.name}: {reason.removeprefix('build-repo: error: ')}", 500,
+                             "InternalServerException")
+    shutil.rmtree(built, ignore_errors=True)
+    os.replace(staging / "repo", built)
+    shutil.rmtree(staging, ignore_errors=True)
+    return built

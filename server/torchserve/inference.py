@@ -1,0 +1,131 @@
+"""TorchServe's inference API on Triton: /ping, and /predictions/NAME[/VERSION] answered as TorchServe's
+image_classifier handler answers (its top 5 as one JSON object), the image sent to Triton's NAME_image as bytes."""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import numpy as np
+import tritonclient.http.aio as aioclient
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from tritonclient.utils import InferenceServerException
+
+from server.torchserve.registry import NotFound, Registry
+from server.torchserve.replies import HANDLERS, error, reply, too_large
+
+TOP_K = 5  # ImageClassifier.topk
+PREDICTION_FAILED = "Prediction failed"
+DISCARD_BYTES = 64 << 20
+
+
+class TooLarge(Exception):
+    pass
+
+
+async def body_of(request: Request, limit: int) -> bytes:
+    """The request's payload: the raw body (curl -T, --data-binary), or a multipart form's 'data' / 'body' field
+    (TorchServe's handlers read those two), else its first field; TooLarge past `limit` bytes."""
+    chunks, size, stream = [], 0, request.stream()
+    async for chunk in stream:
+        size += len(chunk)
+        if size > limit:
+            await _discard(stream, size, limit)
+            raise TooLarge
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        request._body = body  # noqa: SLF001 - Starlette's form() reads the body it cached, the stream is spent
+        async with request.form(max_part_size=limit) as form:
+            fields = [form.get("data"), form.get("body"), *(value for _, value in form.multi_items())]
+            value = next((v for v in fields if v is not None), b"")
+            return await value.read() if hasattr(value, "read") else str(value).encode()
+    return body
+
+
+async def _discard(stream, size: int, limit: int) -> None:
+    """Read on past the limit (up to DISCARD_BYTES) before answering 413, as TorchServe's frontend does: a client
+    still sending when the answer comes sees its connection reset instead of the 413."""
+    async for chunk in stream:
+        size += len(chunk)
+        if size > max(DISCARD_BYTES, 2 * limit):
+            return
+
+
+def top5(logits: np.ndarray, labels: dict[str, str] | None) -> dict:
+    """ImageClassifier.postprocess: softmax, top 5, each class named by index_to_name.json (else its index)."""
+    row = logits.astype(np.float32).reshape(-1)
+    exp = np.exp(row - row.max())
+    probs = exp / exp.sum(dtype=np.float32)
+    order = np.argsort(-probs, kind="stable")[:TOP_K]
+    return {(labels[str(i)] if labels is not None else str(i)): float(probs[i]) for i in order}
+
+
+class Inference:
+    def __init__(self, registry: Registry, triton_url: str, max_request_size: int):
+        self.registry, self.triton_url = registry, triton_url
+        self.max_request_size = max_request_size
+        self.client: aioclient.InferenceServerClient | None = None
+
+    async def startup(self) -> None:
+        # One client, reused: its aiohttp session keeps connections to Triton open across requests.
+        self.client = aioclient.InferenceServerClient(self.triton_url, conn_limit=512)
+
+    async def shutdown(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    async def ping(self, request: Request) -> Response:
+        for model in self.registry.all():
+            try:
+                ready = await self.client.is_model_ready(model.image_model)
+            except (InferenceServerException, OSError):
+                ready = False
+            if not ready:
+                return reply({"status": "Unhealthy"}, 500)
+        return reply({"status": "Healthy"})
+
+    async def predict(self, request: Request) -> Response:
+        params = request.path_params
+        try:
+            model = self.registry.find(params["model_name"], params.get("version"))
+        except NotFound as exc:
+            return error(404, str(exc), exc.kind)
+        try:
+            payload = await body_of(request, self.max_request_size)
+        except TooLarge:
+            return too_large()
+        if not payload:  # TorchServe's handler fails on it: the same answer as for any undecodable body
+            return error(503, PREDICTION_FAILED, "InternalServerException")
+        tensor = aioclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
+        try:
+            result = await self.client.infer(model.image_model, [tensor],
+                                             outputs=[aioclient.InferRequestedOutput("LOGITS")],
+                                             timeout=model.response_timeout * 1_000_000)
+        except InferenceServerException as exc:
+            return self._failed(model.name, exc)
+        return reply(top5(result.as_numpy("LOGITS"), model.info.labels), end="")
+
+    @staticmethod
+    def _failed(name: str, exc: InferenceServerException) -> Response:
+        message = str(exc.message() or exc)
+        if "queue size" in message or "not ready" in message or "unavailable" in message.lower():
+            return error(503, f'Model "{name}" has no worker to serve inference request. Please use scale '
+                              "workers API to add workers.")
+        return error(503, PREDICTION_FAILED, "InternalServerException")
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        await self.startup()
+        yield
+        await self.shutdown()
+
+    def app(self) -> Starlette:
+        predictions = ["POST", "PUT"]
+        return Starlette(routes=[
+            Route("/ping", self.ping, methods=["GET"]),
+            Route("/predictions/{model_name}", self.predict, methods=predictions),
+            Route("/predictions/{model_name}/{version}", self.predict, methods=predictions),
+        ], lifespan=self.lifespan, exception_handlers=HANDLERS)

@@ -1,0 +1,178 @@
+"""TorchServe's management API on Triton: register (build-repo --from-mar, cached), list, describe, scale (a live
+reload of the instance count), unregister and set-default, with TorchServe's parameters, answers and errors."""
+from __future__ import annotations
+
+import asyncio
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from server.errors import ServerError
+from server.torchserve.archives import ArchiveProblem
+from server.torchserve.registry import Conflict, Model, NotFound, Registry
+from server.torchserve.replies import HANDLERS, error, reply
+
+
+class BadParameter(ValueError):
+    pass
+
+
+def _int(request: Request, key: str, default: int | None = None, least: int = 0) -> int | None:
+    value = request.query_params.get(key)
+    if value in (None, ""):
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise BadParameter(f"Invalid {key}: {value} is not an integer") from None
+    if number < least:
+        raise BadParameter(f"Invalid {key}: {value} must be >= {least}")
+    return number
+
+
+def _bool(request: Request, key: str, default: bool) -> bool:
+    value = request.query_params.get(key)
+    return default if value is None else value.strip().lower() == "true"
+
+
+class Management:
+    def __init__(self, registry: Registry, enable_model_api: bool, server):
+        self.registry, self.enable_model_api, self.server = registry, enable_model_api, server
+        self._tasks: set[asyncio.Task] = set()
+
+    async def _guard(self, request: Request, handler) -> Response:
+        try:
+            return await handler(request)
+        except BadParameter as exc:
+            return error(400, str(exc))
+        except NotFound as exc:
+            return error(404, str(exc), exc.kind)
+        except Conflict as exc:
+            return error(409, str(exc))
+        except ArchiveProblem as exc:
+            return error(exc.status, str(exc), exc.kind)
+        except ServerError as exc:
+            return error(500, str(exc))
+
+    def _model_api_off(self) -> Response:
+        # TorchServe's answer, word for word (enable_model_api=true or serve-repo --enable-model-api turns it on)
+        return error(405, "Requested method is not allowed, please refer to API document.")
+
+    # -- routes --
+    async def register(self, request: Request) -> Response:
+        if not self.enable_model_api:
+            return self._model_api_off()
+        url = request.query_params.get("url")
+        if not url:
+            raise BadParameter("Parameter url is required.")
+        workers = _int(request, "initial_workers", None, 0)
+        args = dict(url=url, name=request.query_params.get("model_name") or None,
+                    batch_size=_int(request, "batch_size", None, 1),
+                    max_batch_delay=_int(request, "max_batch_delay", None, 0),
+                    workers=workers or None, response_timeout=_int(request, "response_timeout", 120, 1))
+        if not _bool(request, "synchronous", True):
+            task = asyncio.create_task(asyncio.to_thread(self.registry.register, **args))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return reply({"status": "Processing worker updates..."}, 202)
+        model = await asyncio.to_thread(self.registry.register, **args)
+        return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
+                                "initial workers"})
+
+    async def list(self, request: Request) -> Response:
+        """TorchServe's paging: models by name; nextPageToken (the next index, a string) first, whenever the page
+        does not run past the end."""
+        limit = _int(request, "limit", 100, 0)
+        start = _int(request, "next_page_token", 0, 0)
+        names = sorted(self.registry.models)
+        page = [{"modelName": name, "modelUrl": self.registry.find(name).info.url}
+                for name in names[start:start + limit]]
+        body = {"models": page}
+        if start + limit <= len(names):
+            body = {"nextPageToken": str(start + limit), **body}
+        return reply(body)
+
+    def _selected(self, request: Request) -> list[Model]:
+        name, version = request.path_params["model_name"], request.path_params.get("version")
+        if version == "all":
+            self.registry.find(name)
+            return list(self.registry.models[name].values())
+        return [self.registry.find(name, version)]
+
+    async def describe(self, request: Request) -> Response:
+        models = self._selected(request)
+
+        def described() -> list[dict]:  # asks Triton and /proc: off the event loop
+            stubs = self.server.stubs()
+            return [self._describe(model, stubs) for model in models]
+        return reply(await asyncio.to_thread(described))
+
+    def _describe(self, model: Model, stubs) -> dict:
+        mine = sorted((s for s in stubs if s.model == model.triton and s.alive), key=lambda s: s.pid)
+        ready = self.server.model_ready(model.triton)
+        workers = [{"id": str(9000 + i), "startTime": model.start_time, "status": "READY" if ready else "UNLOADING",
+                    "memoryUsage": 0, "pid": stub.pid, "gpu": False, "gpuUsage": "N/A"}
+                   for i, stub in enumerate(mine[:model.workers])]
+        # TorchServe 0.12's 26 keys, in its order; those for features Triton's batching replaces keep its defaults
+        return {"modelName": model.name, "modelVersion": model.version, "modelUrl": model.info.url,
+                "runtime": "python", "minWorkers": model.workers, "maxWorkers": model.workers,
+                "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
+                "responseTimeout": model.response_timeout, "startupTimeout": 120, "maxRetryTimeoutInSec": 300,
+                "clientTimeoutInMills": 0, "parallelType": "", "parallelLevel": 0, "deviceType": "cpu",
+                "continuousBatching": False, "useJobTicket": False, "useVenv": False, "stateful": False,
+                "sequenceMaxIdleMSec": 0, "sequenceTimeoutMSec": 0, "maxNumSequence": 0,
+                "maxSequenceJobQueueSize": 0, "loadedAtStartup": model.loaded_at_startup, "workers": workers,
+                "jobQueueStatus": {"remainingCapacity": self.registry.job_queue_size, "pendingRequests": 0}}
+
+    async def scale(self, request: Request) -> Response:
+        model = self._selected(request)[0]
+        low = _int(request, "min_worker", model.workers, 0)
+        high = _int(request, "max_worker", max(low, model.workers), 0)
+        if low > high:
+            raise BadParameter("max_worker cannot be less than min_worker.")
+        workers = max(low, 1)
+        if not _bool(request, "synchronous", False):
+            task = asyncio.create_task(asyncio.to_thread(self.registry.scale, model, workers))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return reply({"status": "Processing worker updates..."}, 202)
+        await asyncio.to_thread(self.registry.scale, model, workers)
+        named = f", version: {model.version}" if request.path_params.get("version") else ""
+        return reply({"status": f"Workers scaled to {workers} for model: {model.name}{named}"})
+
+    async def unregister(self, request: Request) -> Response:
+        if not self.enable_model_api:
+            return self._model_api_off()
+        model = self._selected(request)[0]
+        versions = self.registry.models.get(model.name, {})
+        if request.path_params.get("version") and len(versions) > 1 and \
+                self.registry.defaults.get(model.name) == model.version:
+            return error(403, f"Cannot remove default version for model {model.name}", "InvalidModelVersionException")
+        await asyncio.to_thread(self.registry.unregister, model)
+        return reply({"status": f'Model "{model.name}" unregistered'})
+
+    async def set_default(self, request: Request) -> Response:
+        model = self._selected(request)[0]
+        self.registry.set_default(model)
+        return reply({"status": f'Default version successfully updated for model "{model.name}" to '
+                                f'"{model.version}"'})
+
+    def app(self) -> Starlette:
+        def guarded(handler):
+            async def endpoint(request: Request) -> Response:
+                return await self._guard(request, handler)
+            return endpoint
+
+        return Starlette(routes=[
+            Route("/models", guarded(self.register), methods=["POST"]),
+            Route("/models", guarded(self.list), methods=["GET"]),
+            Route("/models/{model_name}", guarded(self.describe), methods=["GET"]),
+            Route("/models/{model_name}", guarded(self.scale), methods=["PUT"]),
+            Route("/models/{model_name}", guarded(self.unregister), methods=["DELETE"]),
+            Route("/models/{model_name}/{version}", guarded(self.describe), methods=["GET"]),
+            Route("/models/{model_name}/{version}", guarded(self.scale), methods=["PUT"]),
+            Route("/models/{model_name}/{version}", guarded(self.unregister), methods=["DELETE"]),
+            Route("/models/{model_name}/{version}/set-default", guarded(self.set_default), methods=["PUT"]),
+        ], exception_handlers=HANDLERS)

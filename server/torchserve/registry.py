@@ -1,0 +1,188 @@
+"""The registered models: TorchServe's (name, version) entries, each served by Triton as NAME, NAME_preprocess,
+NAME_image built by build-repo; registered, scaled (a live reload) and unregistered through Triton's repository
+API, never a restart."""
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from common.modelconfig import read_config, to_text
+from server.errors import ServerError
+from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build, inspect, locate
+from server.triton import TritonServer
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+# TorchServe's handlers decode with PIL's own bound: an error past twice Image.MAX_IMAGE_PIXELS (89,478,485), a
+# warning below. The models built for its API decode what TorchServe decodes (build-repo's default is 50 M).
+TORCHSERVE_MAX_PIXELS = 2 * 89_478_485
+
+
+class Conflict(ValueError):
+    """TorchServe's 409: the model version is registered already."""
+
+
+class NotFound(KeyError):
+    """TorchServe's 404: no such model or version; str() is TorchServe's message, kind its exception's name."""
+
+    def __init__(self, message: str, kind: str = "ModelNotFoundException"):
+        super().__init__(message)
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+@dataclass
+class Model:
+    name: str
+    version: str
+    info: ArchiveInfo
+    triton: str  # NAME of the three Triton models
+    batch_size: int
+    max_batch_delay: int
+    workers: int
+    response_timeout: int
+    loaded_at_startup: bool
+    start_time: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+                            + "Z")
+    members: list[str] = field(default_factory=list)  # Triton model names, in load order
+
+    @property
+    def image_model(self) -> str:
+        return f"{self.triton}_image"
+
+
+class Registry:
+    def __init__(self, server: TritonServer, store: Path, cache: Path, build_options: list[str],
+                 default_workers: int | None, job_queue_size: int, log=print):
+        self.server, self.store, self.cache, self.log = server, store, cache, log
+        self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
+        self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
+        self.defaults: dict[str, str] = {}  # name -> default version
+        self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
+
+    # -- lookups (the inference API's, on every request: no lock, dict reads are atomic) --
+    def find(self, name: str, version: str | None = None) -> Model:
+        versions = self.models.get(name)
+        if not versions:
+            raise NotFound(f"Model not found: {name}")
+        version = version or self.defaults.get(name)
+        if version not in versions:
+            raise NotFound(f"Model version: {version} does not exist for model: {name}", "ModelVersionNotFoundException")
+        return versions[version]
+
+    def all(self) -> list[Model]:
+        return [m for name in sorted(self.models) for m in self.models[name].values()]
+
+    # -- changes --
+    def register(self, url: str, name: str | None = None, batch_size: int | None = None,
+                 max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
+                 loaded_at_startup: bool = False) -> Model:
+        info = inspect(locate(url, self.store), url)
+        name = name or info.name
+        if not NAME.match(name):
+            raise ArchiveProblem(f"Invalid model name: {name}: letters, digits, '_', '.' and '-' only")
+        with self._lock:
+            if info.version in self.models.get(name, {}):
+                raise Conflict(f"Model version {info.version} is already registered for model {name}")
+            batch = batch_size or 1  # TorchServe's defaults when the request names none
+            delay = 100 if max_batch_delay is None else max_batch_delay
+            count = workers or self.default_workers or 1
+            triton = name if name not in self.models else f"{name}_v{re.sub(r'[^A-Za-z0-9]', '_', info.version)}"
+            options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay),
+                       "--max-queue-size", str(self.job_queue_size)]
+            built = build(info, triton, self.cache, options, self.log)
+            model = Model(name, info.version, info, triton, batch, delay, count, response_timeout, loaded_at_startup)
+            self._serve(model, built)
+            self.models.setdefault(name, {})[info.version] = model
+            self.defaults.setdefault(name, info.version)
+            return model
+
+    def _serve(self, model: Model, built: Path) -> None:
+        """Link the built models into the served repository and load them (the ensemble last)."""
+        members = sorted((p.name for p in built.iterdir() if (p / "config.pbtxt").is_file()),
+                         key=lambda n: (n == model.image_model, n))
+        for member in members:
+            target = self.server.repository / member
+            shutil.rmtree(target, ignore_errors=True)
+            target.mkdir(parents=True)
+            for item in (built / member).iterdir():
+                if item.name == "config.pbtxt":
+                    continue
+                (target / item.name).symlink_to(item.resolve(), target_is_directory=item.is_dir())
+            self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
+                               model.workers if member == model.triton else None)
+        model.members = members
+        try:
+            for member in members:
+                self.server.load(member)
+                self.server.loaded_anew(member)
+        except ServerError as exc:
+            self._remove(members)
+            raise ArchiveProblem(f"Failed to load model {model.name}: {exc}", 500, "InternalServerException") from None
+        self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
+
+    @staticmethod
+    def _write_config(source: Path, target: Path, instances: int | None) -> None:
+        config = read_config(source)
+        config.parameters["max_pixels"].string_value = str(TORCHSERVE_MAX_PIXELS)
+        if instances is not None:
+            group = config.instance_group[0] if config.instance_group else None
+            kind = group.kind if group is not None else 0
+            del config.instance_group[:]
+            config.instance_group.add(count=instances, kind=kind)
+        target.write_text(to_text(config))
+
+    def scale(self, model: Model, workers: int) -> None:
+        """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps
+        answering with the old instances until the new ones are ready; nothing in flight is lost)."""
+        with self._lock:
+            config = self.server.repository / model.triton / "config.pbtxt"
+            self._write_config(config, config, workers)
+            self.server.load(model.triton)
+            self.server.loaded_anew(model.triton)
+            model.workers = workers
+
+    def unregister(self, model: Model) -> None:
+        """Forget `model` at once (new requests: 404); Triton unloads it after what it holds is answered."""
+        with self._lock:
+            versions = self.models.get(model.name, {})
+            versions.pop(model.version, None)
+            if not versions:
+                self.models.pop(model.name, None)
+                self.defaults.pop(model.name, None)
+            elif self.defaults.get(model.name) == model.version:
+                self.defaults[model.name] = sorted(versions)[0]
+            self.server.loaded = [m for m in self.server.loaded if m not in model.members]
+            for member in reversed(model.members):
+                try:
+                    self.server.unload(member)
+                except ServerError as exc:
+                    self.log(f"unregister {model.name}: {exc}")
+            self._wait_unloaded(model.members)
+            self._remove(model.members)
+
+    def _wait_unloaded(self, members: list[str], limit: float = 120) -> None:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            try:
+                states = {e.get("name"): e.get("state") for e in self.server.index()}
+            except ServerError:
+                return
+            if not any(states.get(m) in ("READY", "UNLOADING", "LOADING") for m in members):
+                return
+            time.sleep(0.2)
+
+    def _remove(self, members: list[str]) -> None:
+        for member in members:
+            shutil.rmtree(self.server.repository / member, ignore_errors=True)
+
+    def set_default(self, model: Model) -> None:
+        with self._lock:
+            self.defaults[model.name] = model.version
+

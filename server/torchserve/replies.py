@@ -1,0 +1,77 @@
+"""TorchServe's answers: JSON as its frontend prints it, its error bodies and status codes, its token check."""
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import time
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+# The exception names TorchServe's frontend puts in "type", by status.
+ERROR_TYPES = {400: "BadRequestException", 401: "TokenAuthorizationException", 404: "ModelNotFoundException",
+               405: "MethodNotAllowedException", 409: "ConflictStatusException", 413: "RequestEntityTooLarge",
+               500: "InternalServerException", 503: "ServiceUnavailableException", 507: "InsufficientStorage"}
+
+
+def dumps(value) -> str:
+    """JSON as TorchServe prints it: two-space indents, one key per line."""
+    return json.dumps(value, indent=2)
+
+
+def reply(value, status: int = 200, end: str = "\n") -> Response:
+    """The frontend's own answers end in a newline; a handler's (predictions) do not."""
+    return Response(dumps(value) + end, status, media_type="application/json")
+
+
+def error(status: int, message: str, kind: str | None = None) -> Response:
+    return reply({"code": status, "type": kind or ERROR_TYPES.get(status, "InternalServerException"),
+                  "message": message}, status)
+
+
+def too_large() -> Response:
+    return Response(b"", 413)  # TorchServe's frontend answers an over-size body with an empty 413
+
+
+class Tokens:
+    """TorchServe >= 0.11's token authorization: key_file.json in the working directory holds an inference and a
+    management key (and the API key TorchServe renews them with); every request to an API, /ping and unknown paths
+    included, bears 'Authorization: Bearer KEY' of that API, else 400 InvalidKeyException, as TorchServe answers.
+    Unlike TorchServe's, the keys do not expire: they last as long as the server. None: no tokens."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.keys = {}
+        if path is not None:
+            self.keys = {api: secrets.token_urlsafe(6) for api in ("management", "inference", "API")}
+            path.write_text(dumps({api: {"key": key} for api, key in self.keys.items()}))
+            path.chmod(0o600)
+
+    def allowed(self, headers: dict[bytes, bytes], api: str) -> bool:
+        if self.path is None:
+            return True
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        return scheme == "Bearer" and hmac.compare_digest(given.strip().encode(), self.keys[api].encode())
+
+    def guard(self, app, api: str):
+        """`app` behind the `api` key (an ASGI wrapper: nothing of the request is read before the check)."""
+        async def guarded(scope, receive, send):
+            if scope["type"] == "http" and not self.allowed(dict(scope["headers"]), api):
+                response = error(400, "Token Authorization failed. Token either incorrect, expired, or not provided "
+                                      "correctly", "InvalidKeyException")
+                return await response(scope, receive, send)
+            return await app(scope, receive, send)
+        return guarded if self.path is not None else app
+
+
+async def _not_found(request: Request, exc) -> Response:
+    return error(404, "Requested resource is not found, please refer to API document.", "ResourceNotFoundException")
+
+
+async def _not_allowed(request: Request, exc) -> Response:
+    return error(405, "Requested method is not allowed, please refer to API document.")
+
+
+HANDLERS = {404: _not_found, 405: _not_allowed}  # Starlette's plain-text 404 / 405, in TorchServe's JSON

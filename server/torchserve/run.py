@@ -1,0 +1,177 @@
+"""`serve-repo --model-store DIR` / `--torchserve-config FILE`: start as TorchServe starts (its inference, management
+and metrics APIs on its ports) with tritonserver supervised underneath, batching every model's requests."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from common.procs import port_free
+from server.errors import ServerError
+from server.supervisor import Supervisor
+from server.torchserve.archives import ArchiveProblem
+from server.torchserve.inference import Inference
+from server.torchserve.management import Management
+from server.torchserve.metrics import Metrics
+from server.torchserve.properties import PropertiesError, Settings, settings as read_settings
+from server.torchserve.registry import Conflict, Registry
+from server.torchserve.replies import Tokens
+from server.triton import TritonServer
+
+KEY_FILE = "key_file.json"  # TorchServe writes it in the directory it was started from
+
+
+def configure(args) -> Settings:
+    """config.properties, then the command line over it (as torchserve's flags go over its file)."""
+    result = read_settings(args.torchserve_config)
+    if args.model_store:
+        result.model_store = args.model_store
+    if args.models:
+        result.load_models = [item for entry in args.models for item in entry.split(",") if item]
+    if args.enable_model_api:
+        result.enable_model_api = True
+    if args.disable_token_auth:
+        result.token_auth = False
+    if result.model_store is None:
+        raise PropertiesError("no model store: give --model-store DIR or model_store= in config.properties")
+    if not result.model_store.is_dir():
+        raise PropertiesError(f"model store {result.model_store} is not a directory")
+    return result
+
+
+def startup_models(config: Settings, store: Path) -> list[tuple[str | None, str, dict]]:
+    """(name or None, archive file, models= settings) for load_models: all, file.mar, name=file.mar."""
+    wanted = []
+    for item in config.load_models:
+        if item == "all":
+            wanted += [(None, path.name) for path in sorted(store.glob("*.mar"))]
+        elif "=" in item:
+            name, _, file = item.partition("=")
+            wanted.append((name.strip(), file.strip()))
+        else:
+            wanted.append((None, item))
+    result = []
+    for name, file in wanted:
+        key = name or Path(file).stem
+        versions = config.models.get(key) or {}
+        chosen = next((v for v in versions.values() if isinstance(v, dict) and v.get("defaultVersion")), None)
+        chosen = chosen or next(iter(versions.values()), {})
+        result.append((name, chosen.get("marName", file), chosen))
+    return result
+
+
+def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> None:
+    for name, file, extra in startup_models(config, store):
+        try:
+            model = registry.register(file, name, extra.get("batchSize"), extra.get("maxBatchDelay"),
+                                      extra.get("minWorkers"), extra.get("responseTimeout", config.response_timeout),
+                                      loaded_at_startup=True)
+            log(f'loaded {model.name} {model.version} from {file}: batch_size {model.batch_size}, max_batch_delay '
+                f'{model.max_batch_delay} ms, {model.workers} worker(s)')
+        except (ArchiveProblem, Conflict, ServerError) as exc:  # as TorchServe: the others still load
+            log(f"serve-repo: could not load {file}: {exc}")
+
+
+def serve(args, extra: list[str], stop: threading.Event, log) -> int:
+    try:
+        config = configure(args)
+    except PropertiesError as exc:
+        log(f"serve-repo: error: {exc}", error=True)
+        return 2
+    for key in config.unsupported:
+        log(f"config.properties: {key} is not supported by serve-repo; ignored")
+    for api in ("inference", "management", "metrics"):
+        host, port = getattr(config, api)
+        if not port_free(host, port):
+            log(f"serve-repo: error: the {api} address {host}:{port} is busy (another server holds it)", error=True)
+            return 1
+    # This run's registrations (they last one run, as TorchServe's with --ncs) in a folder of its own; what they
+    # build is cached in the store for every later run.
+    repository = Path(tempfile.mkdtemp(prefix="triton-torchserve-repo-"))
+    server = TritonServer.local(repository, log_file=args.log_file, extra_args=extra,
+                                drain_seconds=args.drain_seconds)
+    try:
+        server.start(args.timeout, abort=stop)
+    except ServerError as exc:
+        server.stop(keep_log=not stop.is_set())
+        shutil.rmtree(repository, ignore_errors=True)
+        log(f"serve-repo: error: {exc}", error=True)
+        return 1
+    build_options = [*(["--precision", args.precision] if args.precision else []),
+                     *(["--trust-model-code"] if args.trust_model_code else [])]
+    registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options, config.default_workers,
+                        config.job_queue_size, log)
+    load_at_startup(registry, config, config.model_store, log)
+    tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
+    apps = {"inference": tokens.guard(Inference(registry, server.http_url, config.max_request_size).app(),
+                                      "inference"),
+            "management": tokens.guard(Management(registry, config.enable_model_api, server).app(), "management"),
+            "metrics": Metrics(registry, server.http_url, f"127.0.0.1:{server.ports['metrics']}").app()}
+    front = Front(apps, config)
+    front.start()
+    if not front.ready.wait(30) or front.failed:
+        server.stop()
+        shutil.rmtree(repository, ignore_errors=True)
+        log(f"serve-repo: error: the TorchServe API could not start: {front.failed or 'timed out'}", error=True)
+        return 1
+    log("torchserve API ready: " + "  ".join(f"{api} http://{h}:{p}" for api, (h, p) in
+                                            ((a, getattr(config, a)) for a in apps))
+        + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
+        + (f"on ({tokens.path})" if config.token_auth else "off") + f"  tritonserver log {server.log_file}")
+    supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
+                            max_unfreed=args.max_unfreed_instances)
+    status = supervisor.run(stop)
+    front.stop()
+    server.stop(keep_log=bool(status))
+    shutil.rmtree(repository, ignore_errors=True)
+    if status:
+        log(f"serve-repo: error: {supervisor.failure}", error=True)
+    return 1 if status else 0
+
+
+class Front:
+    """The three uvicorn servers, in one thread with its own event loop (the supervisor keeps the main one)."""
+
+    def __init__(self, apps: dict, config: Settings):
+        self.servers = []
+        for api, app in apps.items():
+            host, port = getattr(config, api)
+            self.servers.append(uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                              access_log=False, http="httptools", lifespan="on",
+                                                              timeout_keep_alive=120)))
+        self.ready = threading.Event()
+        self.failed: str | None = None
+        self._thread = threading.Thread(target=self._run, name="torchserve-api", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            import uvloop
+            runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        except ImportError:
+            runner = asyncio.Runner()
+        with runner:
+            runner.run(self._serve())
+
+    async def _serve(self) -> None:
+        tasks = [asyncio.create_task(server.serve()) for server in self.servers]
+        while not all(server.started for server in self.servers):
+            done = [task for task in tasks if task.done()]
+            if done:
+                self.failed = "a port could not be bound"
+                self.ready.set()
+                break
+            await asyncio.sleep(0.05)
+        self.ready.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.should_exit = True
+        self._thread.join(10)

@@ -1,0 +1,276 @@
+"""TorchServe's API served by serve-repo on Triton: the seed's walkthrough run verbatim with curl, answers and errors
+compared with TorchServe 0.12 itself on the same archive and photo, batching, scaling and unregistering under traffic,
+bad bodies, tokens, config.properties."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from perf import torchserve
+from perf.serve import TorchServeFront
+from support import ROOT
+
+PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
+NAME, VERSION = "resnet-18", "2.0"
+SEED_REGISTRATION = "batch_size=8&max_batch_delay=10&initial_workers=1"  # the seed's, verbatim
+
+
+def call(method: str, url: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes]:
+    # urllib's default for a body is a form's content type, which TorchServe then tries to parse as a form
+    headers = {"Content-Type": "application/octet-stream", **(headers or {})} if data is not None else headers or {}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def curl(*args: str) -> tuple[int, str]:
+    """curl as a user runs it; (status, body)."""
+    done = subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", *args], capture_output=True, text=True,
+                          timeout=600, check=True)
+    body, _, code = done.stdout.rpartition("\n")
+    return int(code), body
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """A model store with an image_classifier archive made by torch-model-archiver (resnet18, its last layer scaled
+    so that the softmax is not one 1.0), no model-config.yaml: its batching comes from the registration."""
+    folder = tmp_path_factory.mktemp("ts") / "model_store"
+    torchserve.resnet_archive(folder, NAME, None, None, None, arch="resnet18", fc_scale=0.01, version=VERSION)
+    (folder / "not-an-archive.mar").write_text("hello\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def front(store):
+    started = TorchServeFront(store.parent / "front", model_store=str(store), enable_model_api="true",
+                              disable_token_authorization="true", max_request_size="3000000", foo_bar="1")
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(store, tmp_path_factory):
+    """TorchServe 0.12 itself serving the same archive: its answers to the requests these tests send."""
+    folder = tmp_path_factory.mktemp("torchserve")
+    with torchserve.started(folder, store / f"{NAME}.mar", workers=1, properties={"enable_model_api": "true"}) as real:
+        base = real.inference_url
+        answers = {"photo": call("POST", f"{base}/predictions/{NAME}", PHOTO.read_bytes()),
+                   "empty": call("POST", f"{base}/predictions/{NAME}", b""),
+                   "text": call("POST", f"{base}/predictions/{NAME}", b"hello"),
+                   "truncated": call("POST", f"{base}/predictions/{NAME}", PHOTO.read_bytes()[:1000]),
+                   "unknown model": call("POST", f"{base}/predictions/nope", PHOTO.read_bytes()),
+                   "unknown version": call("POST", f"{base}/predictions/{NAME}/9.9", PHOTO.read_bytes()),
+                   "no url": call("POST", f"{real.management_url}/models"),
+                   "twice": call("POST", f"{real.management_url}/models?url={NAME}.mar"),
+                   "not an archive": call("POST", f"{real.management_url}/models?url=not-an-archive.mar"),
+                   "missing archive": call("POST", f"{real.management_url}/models?url=missing.mar"),
+                   "describe unknown": call("GET", f"{real.management_url}/models/nope"),
+                   "ping": call("GET", f"{base}/ping"),
+                   "list": call("GET", f"{real.management_url}/models?limit=1"),
+                   "describe": call("GET", f"{real.management_url}/models/{NAME}"),
+                   "min over max": call("PUT", f"{real.management_url}/models/{NAME}?min_worker=3&max_worker=2"),
+                   "scale": call("PUT", f"{real.management_url}/models/{NAME}?min_worker=1&max_worker=1"
+                                        "&synchronous=true")}
+    with torchserve.started(folder / "off", store / f"{NAME}.mar", workers=1) as real:  # the model API off
+        answers["model api off"] = call("POST", f"{real.management_url}/models?url={NAME}.mar")
+    return answers
+
+
+def _describe(front, name: str = NAME) -> dict:
+    status, body = call("GET", f"{front.management_url}/models/{name}")
+    assert status == 200, body
+    return json.loads(body)[0]
+
+
+def test_seed_walkthrough_runs_verbatim_and_answers_as_torchserve_when_run_with_curl(front, reference):
+    code, body = curl(f"{front.inference_url.removeprefix('http://')}/ping")
+    assert code == 200 and json.loads(body) == {"status": "Healthy"}
+    code, body = curl("-X", "POST", f"{front.management_url}/models?url={NAME}.mar&{SEED_REGISTRATION}")
+    assert code == 200 and json.loads(body) == {
+        "status": f'Model "{NAME}" Version: {VERSION} registered with 1 initial workers'}
+    described = _describe(front)
+    assert (described["batchSize"], described["maxBatchDelay"], described["minWorkers"]) == (8, 10, 1)
+    assert [w["status"] for w in described["workers"]] == ["READY"]
+    code, body = curl(f"{front.inference_url}/predictions/{NAME}", "-T", str(PHOTO))
+    ours, theirs = json.loads(body), json.loads(reference["photo"][1])
+    assert code == 200 and list(ours) == list(theirs)  # the same five labels, in the same order
+    assert np.allclose(list(ours.values()), list(theirs.values()), rtol=0, atol=1e-5)
+    assert body.startswith("{\n  \"") and not body.endswith("\n")  # printed as TorchServe prints it
+
+
+def test_predictions_answer_the_same_when_sent_as_put_multipart_or_with_the_version(front):
+    photo = PHOTO.read_bytes()
+    first = call("POST", f"{front.inference_url}/predictions/{NAME}", photo)
+    assert first[0] == 200
+    for args in ([f"{front.inference_url}/predictions/{NAME}", "-X", "PUT", "--data-binary", f"@{PHOTO}"],
+                 [f"{front.inference_url}/predictions/{NAME}/{VERSION}", "--data-binary", f"@{PHOTO}"],
+                 [f"{front.inference_url}/predictions/{NAME}", "-F", f"data=@{PHOTO}"]):
+        code, body = curl(*args)
+        assert code == 200 and json.loads(body) == json.loads(first[1]), args
+
+
+def test_answers_and_errors_are_torchserves_when_compared_with_torchserve(front, reference, store):
+    photo = PHOTO.read_bytes()
+    ours = {"empty": call("POST", f"{front.inference_url}/predictions/{NAME}", b""),
+            "text": call("POST", f"{front.inference_url}/predictions/{NAME}", b"hello"),
+            "truncated": call("POST", f"{front.inference_url}/predictions/{NAME}", photo[:1000]),
+            "unknown model": call("POST", f"{front.inference_url}/predictions/nope", photo),
+            "unknown version": call("POST", f"{front.inference_url}/predictions/{NAME}/9.9", photo),
+            "no url": call("POST", f"{front.management_url}/models"),
+            "twice": call("POST", f"{front.management_url}/models?url={NAME}.mar"),
+            "not an archive": call("POST", f"{front.management_url}/models?url=not-an-archive.mar"),
+            "missing archive": call("POST", f"{front.management_url}/models?url=missing.mar"),
+            "describe unknown": call("GET", f"{front.management_url}/models/nope"),
+            "ping": call("GET", f"{front.inference_url}/ping"),
+            "list": call("GET", f"{front.management_url}/models?limit=1"),
+            "describe": call("GET", f"{front.management_url}/models/{NAME}"),
+            "min over max": call("PUT", f"{front.management_url}/models/{NAME}?min_worker=3&max_worker=2"),
+            "scale": call("PUT", f"{front.management_url}/models/{NAME}?min_worker=1&max_worker=1&synchronous=true")}
+    assert list(json.loads(ours.pop("describe")[1])[0]) == list(json.loads(reference["describe"][1])[0])  # keys
+    for case, (status, body) in ours.items():
+        their_status, their_body = reference[case]
+        mine, theirs = json.loads(body), json.loads(their_body)
+        assert status == their_status, (case, body, their_body)
+        assert set(mine) == set(theirs) and mine.get("type") == theirs.get("type"), (case, mine, theirs)
+        if case not in ("not an archive", "unknown version"):
+            assert body == their_body, case  # byte for byte
+
+
+def test_bad_bodies_get_torchserves_codes_and_the_server_stays_ready_when_sent(front, tmp_path):
+    big = tmp_path / "60mp.jpg"  # 60 megapixels: under PIL's bound, which TorchServe's handler decodes within
+    Image.new("RGB", (8000, 7500), (120, 90, 60)).save(big, quality=50)
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", big.read_bytes())[0] == 200
+    status, body = call("POST", f"{front.inference_url}/predictions/{NAME}", b"\xff" * 3_000_001)
+    assert (status, body) == (413, b"")  # max_request_size=3000000: TorchServe's empty 413
+    assert call("GET", f"{front.inference_url}/ping") == (200, b'{\n  "status": "Healthy"\n}\n')
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", PHOTO.read_bytes())[0] == 200
+
+
+def _triton_counts(front, model: str) -> tuple[float, float]:
+    """(requests, executions) of `model` from Triton's own metrics, which the metrics port serves too."""
+    text = call("GET", f"{front.metrics_url}/metrics")[1].decode()
+    values = [float(re.search(rf'^{metric}{{model="{re.escape(model)}",version="1"}} (\S+)$', text, re.M).group(1))
+              for metric in ("nv_inference_count", "nv_inference_exec_count")]
+    return values[0], values[1]
+
+
+def test_concurrent_predictions_are_batched_by_triton_and_counted_in_torchserves_metrics(front):
+    before = _triton_counts(front, NAME)
+    photo = PHOTO.read_bytes()
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(10):  # rounds of 8 at once, until Triton has run one as a batch
+            statuses = list(pool.map(lambda _: call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[0],
+                                     range(8)))
+            assert statuses == [200] * 8
+            requests, executions = (a - b for a, b in zip(_triton_counts(front, NAME), before))
+            if executions < requests:
+                break
+    assert executions < requests, "8 concurrent predictions never reached the model as one batch"
+    text = call("GET", f"{front.metrics_url}/metrics")[1].decode()
+    total = re.search(rf'^ts_inference_requests_total{{model_name="{NAME}",model_version="{VERSION}",hostname="[^"]*",}}'
+                      r' (\S+)$', text, re.M)
+    assert total and float(total.group(1)) >= requests
+    assert "# TYPE ts_queue_latency_microseconds counter" in text and "ts_inference_latency_microseconds{" in text
+
+
+def test_unsupported_config_key_is_named_once_and_not_fatal_when_started(front):
+    assert [line for line in front.lines if "foo_bar" in line] == [
+        "config.properties: foo_bar is not supported by serve-repo; ignored"]
+
+
+class Traffic:
+    """Predictions sent back to back from 4 threads until stopped; every answer kept with when it was sent."""
+
+    def __init__(self, url: str):
+        self.url, self.answers, self._stop = url, [], threading.Event()
+        self.threads = [threading.Thread(target=self._run) for _ in range(4)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self):
+        photo = PHOTO.read_bytes()
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                status = call("POST", self.url, photo)[0]
+            except OSError as exc:
+                status = repr(exc)
+            self.answers.append((sent, status))
+
+    def stop(self) -> list:
+        self._stop.set()
+        for thread in self.threads:
+            thread.join(120)
+        return self.answers
+
+
+def test_scaling_1_2_1_under_traffic_loses_nothing_when_done_by_live_reload(front):
+    traffic = Traffic(f"{front.inference_url}/predictions/{NAME}")
+    try:
+        for workers in (2, 1):
+            status, body = call("PUT", f"{front.management_url}/models/{NAME}?min_worker={workers}"
+                                       f"&max_worker={workers}&synchronous=true")
+            assert status == 200, body
+            assert len(_describe(front)["workers"]) == workers
+            time.sleep(1)
+    finally:
+        answers = traffic.stop()
+    assert len(answers) > 8 and {status for _, status in answers} == {200}
+
+
+def test_unregistering_under_traffic_answers_every_request_in_flight_when_deleted(front):
+    traffic = Traffic(f"{front.inference_url}/predictions/{NAME}")
+    time.sleep(2)
+    deleted = time.monotonic()
+    status, body = call("DELETE", f"{front.management_url}/models/{NAME}/{VERSION}")
+    answers = traffic.stop()
+    assert status == 200, body
+    before = [code for sent, code in answers if sent < deleted]
+    assert before and set(before) <= {200, 404}  # sent before the DELETE: answered (404 once the name is gone)
+    assert {code for sent, code in answers if sent >= deleted} <= {200, 404}
+    assert call("GET", f"{front.management_url}/models/{NAME}")[0] == 404
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", PHOTO.read_bytes())[0] == 404
+
+
+def test_tokens_load_models_and_the_build_cache_work_as_torchserve_when_configured(store, front, reference):
+    folder = store.parent / "with-tokens"
+    models = json.dumps({NAME: {VERSION: {"marName": f"{NAME}.mar", "batchSize": 8, "maxBatchDelay": 10,
+                                          "minWorkers": 1, "defaultVersion": True}}})
+    second = TorchServeFront(folder, model_store=str(store), load_models=f"{NAME}.mar", models=models)
+    try:
+        assert not second.seen("building ")  # the seed test built it: the cache serves it
+        keys = json.loads((folder / "key_file.json").read_text())
+        inference, management = keys["inference"]["key"], keys["management"]["key"]
+        url = f"{second.inference_url}/predictions/{NAME}"
+        refused = call("POST", url, PHOTO.read_bytes())  # as TorchServe: 400 InvalidKeyException, /ping too
+        assert refused[0] == 400 and json.loads(refused[1])["type"] == "InvalidKeyException"
+        assert call("POST", url, PHOTO.read_bytes(), {"Authorization": f"Bearer {management}"})[0] == 400
+        assert call("GET", f"{second.inference_url}/ping")[0] == 400
+        assert call("POST", url, PHOTO.read_bytes(), {"Authorization": f"Bearer {inference}"})[0] == 200
+        status, body = call("GET", f"{second.management_url}/models/{NAME}",
+                            headers={"Authorization": f"Bearer {management}"})
+        described = json.loads(body)[0]
+        assert status == 200 and described["loadedAtStartup"] is True and described["batchSize"] == 8
+        # the model API is off unless enabled, and answers as TorchServe's does then
+        off = call("POST", f"{second.management_url}/models?url={NAME}.mar",
+                   headers={"Authorization": f"Bearer {management}"})
+        assert off == reference["model api off"]
+    finally:
+        second.stop()
+        shutil.rmtree(folder, ignore_errors=True)
