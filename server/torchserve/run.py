@@ -121,7 +121,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     log("torchserve API ready: " + "  ".join(f"{api} http://{h}:{p}" for api, (h, p) in
                                             ((a, getattr(config, a)) for a in apps))
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
-        + (f"on ({tokens.path})" if config.token_auth else "off") + f"  tritonserver log {server.log_file}")
+        + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on 127.0.0.1:"
+        f"{server.ports['http']}/{server.ports['grpc']}, log {server.log_file})")
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
                             max_unfreed=args.max_unfreed_instances)
     status = supervisor.run(stop)
