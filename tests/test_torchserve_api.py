@@ -248,29 +248,52 @@ def test_unregistering_under_traffic_answers_every_request_in_flight_when_delete
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", PHOTO.read_bytes())[0] == 404
 
 
-def test_tokens_load_models_and_the_build_cache_work_as_torchserve_when_configured(store, front, reference):
-    folder = store.parent / "with-tokens"
+@pytest.fixture(scope="module")
+def configured(store, front):
+    """A second serve-repo on the same store, configured as TorchServe users do: tokens on, the archive loaded at start
+    with models= settings, the model API off, job_queue_size 1. Started after `front` built the archive."""
     models = json.dumps({NAME: {VERSION: {"marName": f"{NAME}.mar", "batchSize": 8, "maxBatchDelay": 10,
                                           "minWorkers": 1, "defaultVersion": True}}})
-    second = TorchServeFront(folder, model_store=str(store), load_models=f"{NAME}.mar", models=models)
-    try:
-        assert not second.seen("building ")  # the seed test built it: the cache serves it
-        keys = json.loads((folder / "key_file.json").read_text())
-        inference, management = keys["inference"]["key"], keys["management"]["key"]
-        url = f"{second.inference_url}/predictions/{NAME}"
-        refused = call("POST", url, PHOTO.read_bytes())  # as TorchServe: 400 InvalidKeyException, /ping too
-        assert refused[0] == 400 and json.loads(refused[1])["type"] == "InvalidKeyException"
-        assert call("POST", url, PHOTO.read_bytes(), {"Authorization": f"Bearer {management}"})[0] == 400
-        assert call("GET", f"{second.inference_url}/ping")[0] == 400
-        assert call("POST", url, PHOTO.read_bytes(), {"Authorization": f"Bearer {inference}"})[0] == 200
-        status, body = call("GET", f"{second.management_url}/models/{NAME}",
-                            headers={"Authorization": f"Bearer {management}"})
-        described = json.loads(body)[0]
-        assert status == 200 and described["loadedAtStartup"] is True and described["batchSize"] == 8
-        # the model API is off unless enabled, and answers as TorchServe's does then
-        off = call("POST", f"{second.management_url}/models?url={NAME}.mar",
-                   headers={"Authorization": f"Bearer {management}"})
-        assert off == reference["model api off"]
-    finally:
-        second.stop()
-        shutil.rmtree(folder, ignore_errors=True)
+    started = TorchServeFront(store.parent / "configured", model_store=str(store), load_models=f"{NAME}.mar",
+                              models=models, job_queue_size="1")
+    keys = json.loads((started.folder / "key_file.json").read_text())
+    started.keys = {api: {"Authorization": f"Bearer {keys[api]['key']}"} for api in ("inference", "management")}
+    yield started
+    started.stop()
+
+
+def test_load_models_uses_the_models_settings_and_the_build_cache_when_started(configured):
+    assert not configured.seen("building ")  # `front` built it with the same options: the cache serves it
+    status, body = call("GET", f"{configured.management_url}/models/{NAME}", headers=configured.keys["management"])
+    described = json.loads(body)[0]
+    assert status == 200 and described["loadedAtStartup"] is True
+    assert (described["batchSize"], described["maxBatchDelay"]) == (8, 10)
+
+
+def test_tokens_guard_each_api_as_torchserves_when_on(configured):
+    url, photo = f"{configured.inference_url}/predictions/{NAME}", PHOTO.read_bytes()
+    refused = call("POST", url, photo)  # as TorchServe: 400 InvalidKeyException, on /ping too
+    assert refused[0] == 400 and json.loads(refused[1])["type"] == "InvalidKeyException"
+    assert call("POST", url, photo, configured.keys["management"])[0] == 400
+    assert call("GET", f"{configured.inference_url}/ping")[0] == 400
+    assert call("GET", f"{configured.inference_url}/ping", headers=configured.keys["inference"])[0] == 200
+    assert call("POST", url, photo, configured.keys["inference"])[0] == 200
+    assert call("GET", f"{configured.management_url}/models", headers=configured.keys["inference"])[0] == 400
+
+
+def test_model_api_is_off_unless_enabled_and_answers_as_torchserve_when_off(configured, reference):
+    off = call("POST", f"{configured.management_url}/models?url={NAME}.mar", headers=configured.keys["management"])
+    assert off == reference["model api off"]
+
+
+def test_a_full_job_queue_answers_503_at_once_and_the_rest_are_served_when_bursting(configured):
+    """job_queue_size 1 beyond the 8 the instance holds: of 64 sent at once, those over 9 pending are refused."""
+    url, photo = f"{configured.inference_url}/predictions/{NAME}", PHOTO.read_bytes()
+    with ThreadPoolExecutor(64) as pool:
+        answers = list(pool.map(lambda _: call("POST", url, photo, configured.keys["inference"]), range(64)))
+    statuses = [status for status, _ in answers]
+    refused = [json.loads(body) for status, body in answers if status == 503]
+    assert set(statuses) == {200, 503} and statuses.count(200) >= 9
+    assert {(r["type"], r["message"].split(" has no worker")[0]) for r in refused} == {
+        ("ServiceUnavailableException", f'Model "{NAME}"')}
+    assert call("POST", url, photo, configured.keys["inference"])[0] == 200  # and it serves on

@@ -12,6 +12,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
+from common.messages import first_line
 from server.torchserve.registry import NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply, too_large
 
@@ -63,8 +64,8 @@ def top5(logits: np.ndarray, labels: dict[str, str] | None) -> dict:
 
 
 class Inference:
-    def __init__(self, registry: Registry, triton_url: str, max_request_size: int):
-        self.registry, self.triton_url = registry, triton_url
+    def __init__(self, registry: Registry, triton_url: str, max_request_size: int, job_queue_size: int, log=print):
+        self.registry, self.triton_url, self.job_queue_size, self.log = registry, triton_url, job_queue_size, log
         self.max_request_size = max_request_size
         self.client: aioclient.InferenceServerClient | None = None
 
@@ -98,6 +99,19 @@ class Inference:
             return too_large()
         if not payload:  # TorchServe's handler fails on it: the same answer as for any undecodable body
             return error(503, PREDICTION_FAILED, "InternalServerException")
+        # TorchServe's job queue: job_queue_size requests may wait beyond those its workers hold (a batch each);
+        # past that, 503 at once. Counted here: a Triton queue policy would bring back its batcher's 500 ms stall.
+        if model.pending >= self.job_queue_size + model.batch_size * model.workers:
+            return error(503, f'Model "{model.name}" has no worker to serve inference request. Please use scale '
+                              "workers API to add workers. If this is a sequence inference, please check if it is "
+                              "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")
+        model.pending += 1
+        try:
+            return await self._infer(model, payload)
+        finally:
+            model.pending -= 1
+
+    async def _infer(self, model, payload: bytes) -> Response:
         tensor = aioclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
         try:
@@ -105,16 +119,10 @@ class Inference:
                                              outputs=[aioclient.InferRequestedOutput("LOGITS")],
                                              timeout=model.response_timeout * 1_000_000)
         except InferenceServerException as exc:
-            return self._failed(model.name, exc)
+            # TorchServe's answer names no reason; its log does, as serve-repo's does
+            self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
+            return error(503, PREDICTION_FAILED, "InternalServerException")
         return reply(top5(result.as_numpy("LOGITS"), model.info.labels), end="")
-
-    @staticmethod
-    def _failed(name: str, exc: InferenceServerException) -> Response:
-        message = str(exc.message() or exc)
-        if "queue size" in message or "not ready" in message or "unavailable" in message.lower():
-            return error(503, f'Model "{name}" has no worker to serve inference request. Please use scale '
-                              "workers API to add workers.")
-        return error(503, PREDICTION_FAILED, "InternalServerException")
 
     @asynccontextmanager
     async def lifespan(self, app):

@@ -115,6 +115,7 @@ class Management:
         workers = [{"id": str(9000 + i), "startTime": model.start_time, "status": "READY" if ready else "UNLOADING",
                     "memoryUsage": 0, "pid": stub.pid, "gpu": False, "gpuUsage": "N/A"}
                    for i, stub in enumerate(mine[:model.workers])]
+        queued = max(0, model.pending - model.batch_size * model.workers)  # beyond what the instances hold
         # TorchServe 0.12's 26 keys, in its order; those for features Triton's batching replaces keep its defaults
         return {"modelName": model.name, "modelVersion": model.version, "modelUrl": model.info.url,
                 "runtime": "python", "minWorkers": model.workers, "maxWorkers": model.workers,
@@ -124,7 +125,8 @@ class Management:
                 "continuousBatching": False, "useJobTicket": False, "useVenv": False, "stateful": False,
                 "sequenceMaxIdleMSec": 0, "sequenceTimeoutMSec": 0, "maxNumSequence": 0,
                 "maxSequenceJobQueueSize": 0, "loadedAtStartup": model.loaded_at_startup, "workers": workers,
-                "jobQueueStatus": {"remainingCapacity": self.registry.job_queue_size, "pendingRequests": 0}}
+                "jobQueueStatus": {"remainingCapacity": self.registry.job_queue_size - queued,
+                                   "pendingRequests": queued}}
 
     async def scale(self, request: Request) -> Response:
         model = self._selected(request)[0]

@@ -51,6 +51,7 @@ class Model:
     start_time: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
                             + "Z")
     members: list[str] = field(default_factory=list)  # Triton model names, in load order
+    pending: int = 0  # predictions sent to Triton and not yet answered (the front's event loop counts them)
 
     @property
     def image_model(self) -> str:
@@ -94,8 +95,9 @@ class Registry:
             delay = 100 if max_batch_delay is None else max_batch_delay
             count = workers or self.default_workers or 1
             triton = name if name not in self.models else f"{name}_v{re.sub(r'[^A-Za-z0-9]', '_', info.version)}"
-            options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay),
-                       "--max-queue-size", str(self.job_queue_size)]
+            # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall (docs/performance.md);
+            # job_queue_size is bounded in the front instead (Model.pending).
+            options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay)]
             built = build(info, triton, self.cache, options, self.log)
             model = Model(name, info.version, info, triton, batch, delay, count, response_timeout, loaded_at_startup)
             self._serve(model, built)

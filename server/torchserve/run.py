@@ -103,12 +103,12 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         return 1
     build_options = [*(["--precision", args.precision] if args.precision else []),
                      *(["--trust-model-code"] if args.trust_model_code else [])]
-    registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options, config.default_workers,
-                        config.job_queue_size, log)
+    registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
+                        config.default_workers, config.job_queue_size, log)
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
-    apps = {"inference": tokens.guard(Inference(registry, server.http_url, config.max_request_size).app(),
-                                      "inference"),
+    inference = Inference(registry, server.http_url, config.max_request_size, config.job_queue_size, log)
+    apps = {"inference": tokens.guard(inference.app(), "inference"),
             "management": tokens.guard(Management(registry, config.enable_model_api, server).app(), "management"),
             "metrics": Metrics(registry, server.http_url, f"127.0.0.1:{server.ports['metrics']}").app()}
     front = Front(apps, config)
