@@ -248,6 +248,26 @@ def test_unregistering_under_traffic_answers_every_request_in_flight_when_delete
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", PHOTO.read_bytes())[0] == 404
 
 
+def test_an_http_url_is_fetched_into_the_store_and_served_when_registered(front, store, tmp_path):
+    """After the unregister above: the same archive under another file name, from a web server."""
+    import functools
+    import http.server
+
+    (tmp_path / "fetched.mar").write_bytes((store / f"{NAME}.mar").read_bytes())
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{web.server_address[1]}/fetched.mar"
+        status, body = call("POST", f"{front.management_url}/models?url={url}&{SEED_REGISTRATION}")
+    finally:
+        web.shutdown()
+    assert status == 200, body
+    assert (store / "fetched.mar").read_bytes() == (tmp_path / "fetched.mar").read_bytes()
+    assert _describe(front)["modelUrl"] == url
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", PHOTO.read_bytes())[0] == 200
+
+
 @pytest.fixture(scope="module")
 def configured(store, front):
     """A second serve-repo on the same store, configured as TorchServe users do: tokens on, the archive loaded at start

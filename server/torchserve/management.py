@@ -71,7 +71,8 @@ class Management:
         args = dict(url=url, name=request.query_params.get("model_name") or None,
                     batch_size=_int(request, "batch_size", None, 1),
                     max_batch_delay=_int(request, "max_batch_delay", None, 0),
-                    workers=workers or None, response_timeout=_int(request, "response_timeout", 120, 1))
+                    workers=workers or None,
+                    response_timeout=_int(request, "response_timeout", self.registry.response_timeout, 1))
         if not _bool(request, "synchronous", True):
             task = asyncio.create_task(asyncio.to_thread(self.registry.register, **args))
             self._tasks.add(task)

@@ -60,9 +60,10 @@ class Model:
 
 class Registry:
     def __init__(self, server: TritonServer, store: Path, cache: Path, build_options: list[str],
-                 default_workers: int | None, job_queue_size: int, log=print):
+                 default_workers: int | None, job_queue_size: int, log=print, response_timeout: int = 120):
         self.server, self.store, self.cache, self.log = server, store, cache, log
         self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
+        self.response_timeout = response_timeout  # seconds, where a registration names none
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
         self.defaults: dict[str, str] = {}  # name -> default version
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)

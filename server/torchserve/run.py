@@ -104,7 +104,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     build_options = [*(["--precision", args.precision] if args.precision else []),
                      *(["--trust-model-code"] if args.trust_model_code else [])]
     registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
-                        config.default_workers, config.job_queue_size, log)
+                        config.default_workers, config.job_queue_size, log, config.response_timeout)
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
     inference = Inference(registry, server.http_url, config.max_request_size, config.job_queue_size, log)
