@@ -4,7 +4,9 @@ bad bodies, tokens, config.properties."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import shutil
 import subprocess
 import threading
@@ -232,6 +234,18 @@ def test_scaling_1_2_1_under_traffic_loses_nothing_when_done_by_live_reload(fron
     finally:
         answers = traffic.stop()
     assert len(answers) > 8 and {status for _, status in answers} == {200}
+
+
+def test_ping_says_unhealthy_while_a_worker_is_dead_and_healthy_once_replaced_when_its_stub_is_killed(front):
+    pid = _describe(front)["workers"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    seen, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline and not (500 in seen and seen[-1] == 200):
+        seen.append(call("GET", f"{front.inference_url}/ping")[0])
+        time.sleep(0.02)
+    assert 500 in seen and seen[-1] == 200, seen[-20:]  # a new stub serves (serve-repo replaced the dead one)
+    assert _describe(front)["workers"][0]["pid"] != pid
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", PHOTO.read_bytes())[0] == 200
 
 
 def test_unregistering_under_traffic_answers_every_request_in_flight_when_deleted(front):

@@ -2,6 +2,7 @@
 image_classifier handler answers (its top 5 as one JSON object), the image sent to Triton's NAME_image as bytes."""
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -64,8 +65,10 @@ def top5(logits: np.ndarray, labels: dict[str, str] | None) -> dict:
 
 
 class Inference:
-    def __init__(self, registry: Registry, triton_url: str, max_request_size: int, job_queue_size: int, log=print):
+    def __init__(self, registry: Registry, triton_url: str, max_request_size: int, job_queue_size: int,
+                 instances=dict, log=print):
         self.registry, self.triton_url, self.job_queue_size, self.log = registry, triton_url, job_queue_size, log
+        self.instances = instances  # () -> {Triton model: its live instances}
         self.max_request_size = max_request_size
         self.client: aioclient.InferenceServerClient | None = None
 
@@ -78,12 +81,15 @@ class Inference:
             await self.client.close()
 
     async def ping(self, request: Request) -> Response:
+        """Healthy while every model is ready in Triton with as many live instances as its workers; else 500
+        Unhealthy (a dead stub counts until serve-repo has replaced it)."""
+        alive = await asyncio.to_thread(self.instances)
         for model in self.registry.all():
             try:
                 ready = await self.client.is_model_ready(model.image_model)
             except (InferenceServerException, OSError):
                 ready = False
-            if not ready:
+            if not ready or alive.get(model.triton, 0) < model.workers:
                 return reply({"status": "Unhealthy"}, 500)
         return reply({"status": "Healthy"})
 

@@ -6,6 +6,7 @@ import asyncio
 import shutil
 import tempfile
 import threading
+from collections import Counter
 from pathlib import Path
 
 import uvicorn
@@ -107,7 +108,9 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
                         config.default_workers, config.job_queue_size, log, config.response_timeout)
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
-    inference = Inference(registry, server.http_url, config.max_request_size, config.job_queue_size, log)
+    def instances() -> dict[str, int]:
+        return dict(Counter(stub.model for stub in server.stubs() if stub.alive))
+    inference = Inference(registry, server.http_url, config.max_request_size, config.job_queue_size, instances, log)
     apps = {"inference": tokens.guard(inference.app(), "inference"),
             "management": tokens.guard(Management(registry, config.enable_model_api, server).app(), "management"),
             "metrics": Metrics(registry, server.http_url, f"127.0.0.1:{server.ports['metrics']}").app()}
