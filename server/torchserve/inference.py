@@ -128,7 +128,12 @@ class Inference:
             # TorchServe's answer names no reason; its log does, as serve-repo's does
             self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
             return error(503, PREDICTION_FAILED, "InternalServerException")
-        return reply(top5(result.as_numpy("LOGITS"), model.info.labels), end="")
+        try:
+            answer = top5(result.as_numpy("LOGITS"), model.info.labels)
+        except (KeyError, ValueError) as exc:  # e.g. a class index_to_name.json lacks: TorchServe's handler fails too
+            self.log(f"prediction failed for {model.name}: {first_line(exc)}")
+            return error(503, PREDICTION_FAILED, "InternalServerException")
+        return reply(answer, end="")
 
     @asynccontextmanager
     async def lifespan(self, app):
