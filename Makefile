@@ -10,12 +10,13 @@ setup: $(VENV)/.installed
 
 # --isolated: ignore the machine's pip config, whose find-links hold a CPU-only torch that
 # torchvision cannot load against; the registry's default torch works on CPU and GPU.
-$(VENV)/.installed: pyproject.toml tools/install_perf_analyzer.sh tools/install_proxy.sh
+$(VENV)/.installed: pyproject.toml tools/install_perf_analyzer.sh tools/install_proxy.sh tools/install_java.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --isolated --quiet --upgrade pip
 	$(BIN)/python -m pip install --isolated --quiet -e '.[test]'
 	tools/install_perf_analyzer.sh $(VENV)
 	tools/install_proxy.sh
+	tools/install_java.sh
 	touch $@
 
 demo: setup
