@@ -66,9 +66,31 @@ def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int,
 
 
 def closed_loop(url: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
-    """`concurrency` clients, each sending its next request when its last one is answered."""
+    """`concurrency` clients, each POSTing `body` to /predictions/MODEL when its last answer has come."""
     host = urlsplit(url)
     path = f"/predictions/{model}"
+
+    def connect():
+        # One keep-alive connection per client, as a real client pool holds; reopened after a failure.
+        conn = [http.client.HTTPConnection(host.hostname, host.port, timeout=300)]
+
+        def send() -> tuple[str, bytes]:
+            try:
+                status, answer = post(conn[0], path, body)
+                return ("" if status == 200 else f"HTTP {status}: {answer[:200].decode(errors='replace')}"), answer
+            except (OSError, http.client.HTTPException) as exc:
+                conn[0].close()
+                conn[0] = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+                return f"{type(exc).__name__}: {exc}", b""
+
+        return send, lambda: conn[0].close()
+
+    return closed_loop_of(connect, concurrency, seconds, warmup, json.loads)
+
+
+def closed_loop_of(connect, concurrency: int, seconds: float, warmup: float, decode=lambda answer: answer) -> dict:
+    """`concurrency` clients, each sending its next request when its last one is answered. `connect()` makes one
+    client's (send, close); send() -> (error or "", answer); `decode` turns the first good answer into JSON."""
     completions: list[tuple[float, float, bool]] = []  # (done, latency, ok) inside the measured window
     first_error: list[str] = []
     first_answer: list = []
@@ -77,28 +99,20 @@ def closed_loop(url: str, model: str, body: bytes, concurrency: int, seconds: fl
     timing: dict[str, float] = {}
 
     def client() -> None:
-        # One keep-alive connection per client, as a real client pool holds; reopened after a failure.
-        conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+        send, close = connect()
         gate.wait()
         while time.perf_counter() < timing["end"]:
             sent = time.perf_counter()
-            try:
-                status, answer = post(conn, path, body)
-                ok = status == 200
-                error = "" if ok else f"HTTP {status}: {answer[:200].decode(errors='replace')}"
-            except (OSError, http.client.HTTPException) as exc:
-                ok, error = False, f"{type(exc).__name__}: {exc}"
-                conn.close()
-                conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+            error, answer = send()
             done = time.perf_counter()
             with lock:
                 if timing["measure"] <= done <= timing["end"]:
-                    completions.append((done, done - sent, ok))
+                    completions.append((done, done - sent, not error))
                 if error and not first_error:
                     first_error.append(error)
-                if ok and not first_answer:
+                if not error and not first_answer:
                     first_answer.append(answer)
-        conn.close()
+        close()
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
     for thread in threads:
@@ -121,7 +135,7 @@ def closed_loop(url: str, model: str, body: bytes, concurrency: int, seconds: fl
             "img_per_s": _number(interval_rate([done for done, _ in good]), 3),
             "img_per_s_window": round(len(good) / seconds, 3),
             **{f"p{q}_ms": _number(np.percentile(lat_ms, q), 1) for q in (50, 95, 99)},
-            "sample_answer": json.loads(first_answer[0]) if first_answer else None}
+            "sample_answer": decode(first_answer[0]) if first_answer else None}
 
 
 def _number(value, digits: int) -> float | None:
