@@ -119,7 +119,8 @@ class Registry:
                     continue
                 (target / item.name).symlink_to(item.resolve(), target_is_directory=item.is_dir())
             self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
-                               model.workers if member == model.triton else None)
+                               model.workers if member == model.triton else None,
+                               wait=member == model.triton)
         model.members = members
         try:
             for member in members:
@@ -131,8 +132,14 @@ class Registry:
         self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
 
     @staticmethod
-    def _write_config(source: Path, target: Path, instances: int | None) -> None:
+    def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True) -> None:
+        """`source` as served here: TorchServe's pixel bound, `instances` of the first group's kind, and no batch
+        delay where not `wait`: a request waits max_batch_delay once, as under TorchServe, in the classifier's
+        batcher; the decoding model batches what queued while it was busy and waits for nothing (with the delay in
+        both, a prediction at concurrency 1 waited it twice)."""
         config = read_config(source)
+        if not wait and config.HasField("dynamic_batching"):
+            config.dynamic_batching.max_queue_delay_microseconds = 0
         config.parameters["max_pixels"].string_value = str(TORCHSERVE_MAX_PIXELS)
         if instances is not None:
             group = config.instance_group[0] if config.instance_group else None
