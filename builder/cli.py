@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from builder import config as cfg
-from builder import mar, sources
+from builder import handler_model, mar, sources
 from builder.plan import check_source, make_plan, precision_note
 from builder.repository import ENGINES, BuildError, InterruptedAfterSwap, build, check_free, check_writable
 from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
@@ -69,6 +69,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-model-code", action="store_true",
                    help="allow running the archive's model file when its weights fit no torchvision model. It "
                         "executes code from the archive: only for archives you trust. Default: off.")
+    p.add_argument("--handler-path", action="store_true",
+                   help="with --from-mar: serve the archive's own handler (TorchServe's handle() once per batch "
+                        "Triton forms, BYTES in and out) even for an image_classifier archive, which otherwise "
+                        "takes the image path. An archive whose handler is not image_classifier takes it unless "
+                        "its preprocessing is given. Needs --trust-model-code. Default: off.")
     p.add_argument("--name", metavar="NAME", help="served model name (NAME, NAME_preprocess, NAME_image). Default: the model, "
                                   "the archive's model name, or the model file's name.")
     p.add_argument("--weights", metavar="|".join(WEIGHT_CHOICES) + "|PATH",
@@ -198,6 +203,8 @@ def _main(args, workdir: Path) -> int:
     archive = None
     try:
         check_source(args)  # before reading an archive
+        if args.from_mar is not None and handler_model.takes(args, mar.manifest(args.from_mar)):
+            return _handler_model(args)
         if args.from_mar is not None:
             archive = mar.read(args.from_mar, workdir / "archive", int(args.max_archive_gb * (1 << 30)))
         plan = make_plan(args, archive)
@@ -216,6 +223,20 @@ def _main(args, workdir: Path) -> int:
             print(f"wrote {path}")
         print(precision_note(plan.options))
     except (BuildError, WeightsError, cfg.ConfigError) as exc:
+        print(f"build-repo: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _handler_model(args) -> int:
+    """--from-mar for an archive served with its own handler (builder/handler_model.py)."""
+    try:
+        for path in handler_model.build(args):
+            print(f"wrote {path}")
+    except cfg.ConfigError as exc:
+        print(f"build-repo: error: {exc}", file=sys.stderr)
+        return 2
+    except (BuildError, WeightsError) as exc:
         print(f"build-repo: error: {exc}", file=sys.stderr)
         return 1
     return 0

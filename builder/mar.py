@@ -96,23 +96,7 @@ def read(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES
         written = [0]
 
         def extract(name: str) -> Path:
-            info = members[name]
-            parts = PurePosixPath(name).parts
-            if PurePosixPath(name).is_absolute() or ".." in parts:
-                raise ArchiveError(f"{path}: member {name!r} points outside the archive")
-            target = workdir.joinpath(*parts)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with archive.open(info) as source, open(target, "wb") as sink:
-                while chunk := source.read(1 << 20):
-                    written[0] += len(chunk)
-                    if written[0] > max_bytes:
-                        sink.close()
-                        target.unlink()
-                        raise ArchiveError(f"{path}: member {name!r} expands past the {_gb(max_bytes)} limit on "
-                                           "what a migration extracts (the archive declares less than it holds); "
-                                           "nothing was written")
-                    sink.write(chunk)
-            return target
+            return _extract(archive, members[name], path, workdir, written, max_bytes)
 
         try:
             weights = extract(serialized)
@@ -124,7 +108,45 @@ def read(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES
     config_name = model.get("configFile") or "model-config.yaml"
     config_file = next((p for p in extra if p.name == config_name), None)
     return Archive(path, model["modelName"], str(model.get("handler") or ""), weights, model_file,
-                   [p for p in extra if p.suffix == ".py"], labels, _yaml(config_file) if config_file else {})
+                   [p for p in extra if p.suffix == ".py"], labels, read_yaml(config_file) if config_file else {})
+
+
+def unpack(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES) -> dict:
+    """Extract every member (MAR-INF/MANIFEST.json and folders included: a handler may read any of them) into
+    `workdir`, under read()'s limits; nothing is executed. Returns the manifest."""
+    data = manifest(path)
+    with zipfile.ZipFile(path) as archive:
+        infos = [info for info in archive.infolist() if not info.is_dir()]
+        _check_sizes(path, infos, max_bytes)
+        written = [0]
+        try:
+            for info in infos:
+                _extract(archive, info, path, workdir, written, max_bytes)
+        except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            raise ArchiveError(f"{path} is corrupt ({exc}); nothing was written") from None
+    return data
+
+
+def _extract(archive: zipfile.ZipFile, info: zipfile.ZipInfo, path: Path, workdir: Path, written: list[int],
+             max_bytes: int) -> Path:
+    """One member into `workdir` (never outside it), its bytes counted into written[0] against `max_bytes`."""
+    name = info.filename
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or ".." in parts:
+        raise ArchiveError(f"{path}: member {name!r} points outside the archive")
+    target = workdir.joinpath(*parts)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with archive.open(info) as source, open(target, "wb") as sink:
+        while chunk := source.read(1 << 20):
+            written[0] += len(chunk)
+            if written[0] > max_bytes:
+                sink.close()
+                target.unlink()
+                raise ArchiveError(f"{path}: member {name!r} expands past the {_gb(max_bytes)} limit on "
+                                   "what a migration extracts (the archive declares less than it holds); "
+                                   "nothing was written")
+            sink.write(chunk)
+    return target
 
 
 def _check_sizes(path: Path, infos: list[zipfile.ZipInfo], max_bytes: int) -> None:
@@ -144,7 +166,7 @@ def _gb(size: int) -> str:
     return f"{size / (1 << 30):g} GiB"
 
 
-def _yaml(path: Path) -> dict:
+def read_yaml(path: Path) -> dict:
     import yaml
 
     try:

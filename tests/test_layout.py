@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from builder.repository import CLASSIFIER_FILES, FUSED_FILES, PREPROCESS_FILES
+from builder.repository import CLASSIFIER_FILES, FUSED_FILES, HANDLER_FILES, PREPROCESS_FILES
 from support import ROOT
 
 # Room -> the rooms it may import. The pipeline rooms (builder, server, backends) share only common/;
@@ -24,7 +24,7 @@ ALLOWED = {
 }
 ROOMS = set(ALLOWED) | {"tests"}
 # Inside a version folder the backends import their helpers by bare name (the folder is on sys.path).
-BUNDLED = {name.removesuffix(".py") for name in {**CLASSIFIER_FILES, **PREPROCESS_FILES, **FUSED_FILES}}
+BUNDLED = {name.removesuffix(".py") for name in {**CLASSIFIER_FILES, **PREPROCESS_FILES, **FUSED_FILES, **HANDLER_FILES}}
 MAX_LINES = 350
 
 

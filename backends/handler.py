@@ -1,0 +1,68 @@
+"""-> NAME/1/model.py for a TorchServe archive's handler: its handle() once per batch Triton formed.
+
+The archive is unpacked in archive/ beside this file (its own model.py cannot clash with this one). Each
+request's BODY (one BYTES element) is one TorchServe request item; RESPONSE and CONTENT_TYPE carry its answer.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+import ts_worker
+
+BODY, RESPONSE, CONTENT_TYPE = "BODY", "RESPONSE", "CONTENT_TYPE"
+ARCHIVE_DIR = "archive"
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        gpu = int(args.get("model_instance_device_id", 0)) if args.get("model_instance_kind") == "GPU" else None
+        if gpu is not None:
+            import torch
+
+            if torch.cuda.is_available():  # else the handler falls back to CPU, as under TorchServe
+                torch.cuda.set_device(gpu)  # so that the stub makes no context on GPU 0 besides its own
+        folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), ARCHIVE_DIR)
+        # A handler failing here fails the load: Triton reports the reason (ts_worker.HandlerError's message).
+        self.service = ts_worker.load(folder, args["model_name"], gpu, max(int(config.get("max_batch_size", 1)), 1))
+
+    def execute(self, requests):
+        responses, items, owners = [None] * len(requests), [], []
+        for index, request in enumerate(requests):
+            body = pb_utils.get_input_tensor_by_name(request, BODY).as_numpy().reshape(-1)
+            if body.size != 1:
+                responses[index] = _error(f"{BODY} must hold one element per request (one body, as TorchServe "
+                                          f"takes), got {body.size}", invalid=True)
+                continue
+            value = body[0] if isinstance(body[0], bytes) else bytes(body[0])
+            items.append(ts_worker.request_item(value, _headers(request)))
+            owners.append(index)
+        if items:
+            for index, answer in zip(owners, ts_worker.predict(self.service, items)):
+                responses[index] = _error(answer.error, invalid=False) if answer.error is not None else \
+                    pb_utils.InferenceResponse(output_tensors=[_bytes(RESPONSE, answer.payload),
+                                                               _bytes(CONTENT_TYPE, answer.content_type.encode())])
+        return responses
+
+
+def _headers(request) -> dict[str, str]:
+    """The request's parameters (and HTTP headers Triton forwards as parameters) as TorchServe's headers."""
+    try:
+        parameters = json.loads(request.parameters() or "{}")
+    except (AttributeError, ValueError):
+        return {}
+    return {str(key): str(value) for key, value in parameters.items()}
+
+
+def _bytes(name: str, value: bytes):
+    return pb_utils.Tensor(name, np.array([[value]], dtype=np.object_))
+
+
+def _error(message: str, *, invalid: bool):
+    code = getattr(pb_utils.TritonError, "INVALID_ARG", None) if invalid else None
+    error = pb_utils.TritonError(message, code) if code is not None else pb_utils.TritonError(message)
+    return pb_utils.InferenceResponse(output_tensors=[], error=error)

@@ -1,0 +1,173 @@
+"""TorchServe's worker in-process: an archive's handler loaded, one batch run and answered, as ts/ does it.
+
+build-repo copies this file beside the handler model's model.py; it imports only TorchServe's `ts` package
+(pinned with torchserve) and no module of ours, so that no name of ours shadows one of the archive's.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+
+import ts
+from ts.context import RequestProcessor
+from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+from ts.model_loader import TsModelLoader
+from ts.utils.util import PredictionException
+
+MANIFEST = os.path.join("MAR-INF", "MANIFEST.json")
+JSON = "application/json"
+logger = logging.getLogger("ts_handler")
+
+
+class HandlerError(RuntimeError):
+    """The archive's handler could not be loaded or initialized; the message names it and the reason."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's answer: the payload as TorchServe's worker serializes it, or an error."""
+
+    payload: bytes = b""
+    content_type: str = ""
+    error: str | None = None
+
+
+def load(model_dir: str, model_name: str, gpu: int | None, batch_size: int):
+    """TorchServe's Service for the archive unpacked in `model_dir`, made by TorchServe's own loader: the
+    manifest's handler (a file with one handler class, a file with handle(data, context), or a built-in name),
+    its Context (model_yaml_config from the manifest's configFile), initialize(context) run once."""
+    try:
+        with open(os.path.join(model_dir, MANIFEST), encoding="utf-8") as file:
+            handler = json.load(file)["model"]["handler"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HandlerError(f"{model_dir}: no handler in {MANIFEST}: {exc}") from None
+    # TorchServe's frontend starts each worker in the model's folder with that folder on PYTHONPATH: handlers
+    # import their model file by bare name (BaseHandler._load_pickled_model) and open files by relative path.
+    # Each instance is its own stub process, so the working directory is this instance's alone.
+    sys.path.insert(0, model_dir)
+    os.chdir(model_dir)
+    _utf8_locale()
+    metrics = MetricsCacheYamlImpl(os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml"))
+    metrics.initialize_cache()
+    metrics.model_name = model_name
+    try:
+        return TsModelLoader().load(model_name, model_dir, handler, gpu, batch_size, None, True, metrics)
+    except Exception as exc:  # the handler's own code: anything may come out of it
+        logger.exception("TorchServe handler %s failed to initialize", handler)
+        raise HandlerError(f"TorchServe handler {handler!r} failed to initialize: "
+                           f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+
+def _utf8_locale() -> None:
+    """UTF-8 as open()'s default where the stub runs in the C locale (no LANG in tritonserver's environment):
+    TorchServe's base_handler imports openvino.torch where installed, which imports torch._inductor, which reads
+    its UTF-8 templates with the default encoding and fails in ASCII. The stub is this instance's own process."""
+    import locale
+
+    encoding = (getattr(locale, "getencoding", None) or (lambda: locale.getpreferredencoding(False)))()
+    if encoding.lower().replace("-", "").replace("_", "") not in ("ascii", "ansix3.41968"):
+        return
+    for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+
+
+def request_item(body: bytes, headers: dict[str, str]) -> tuple[dict, dict]:
+    """One request as TorchServe's worker hands it to handle(): its body under "data" and "body" (decoded as
+    TorchServe decodes by content type: JSON -> object, text/* -> str), and the headers its RequestProcessor
+    holds (each input's content type, then the request's own headers)."""
+    content_type = next((value for key, value in headers.items() if key.lower() == "content-type"), "")
+    value = body
+    if content_type == JSON:
+        try:
+            value = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):  # TorchServe forwards the bytes too
+            pass
+    elif content_type.startswith("text"):
+        try:
+            value = body.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    item = {"data": value, "body": value}
+    return item, {**{name: {"content-type": content_type} for name in item}, **headers}
+
+
+def predict(service, items: list[tuple[dict, dict]]) -> list[Answer]:
+    """ONE handle() call for the whole batch, as ts/service.py's Service.predict: a failure of that call or a
+    wrong number of answers fails every request of the batch (TorchServe's 503/507 messages, with the reason);
+    otherwise each request gets its own answer, serialized as create_predict_response does."""
+    context = service.context
+    ids = {index: str(uuid.uuid4()) for index in range(len(items))}
+    context.request_ids = ids
+    context.request_processor = [RequestProcessor(headers) for _, headers in items]
+    context.metrics.request_ids = ids
+    context.cl_socket = None  # streaming answers (send_intermediate_predict_response) need the Java frontend
+    data = [item for item, _ in items]
+    start = time.time()
+    try:
+        # Service.predict would encode the answers for the frontend's socket; its entry point is the handler's
+        # handle (torchserve is pinned, so is this attribute).
+        answers = service._entry_point(data, context)
+    except MemoryError:
+        return _fail(len(items), "Out of resources (507): out of memory")
+    except PredictionException as exc:
+        return _fail(len(items), f"{exc.message} ({exc.error_code})")
+    except (Exception, SystemExit) as exc:  # the handler's own code: one batch's failure never ends the stub
+        logger.warning("Invoking custom service failed.", exc_info=True)
+        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        return _fail(len(items), f"Out of resources (507): {reason}" if "CUDA" in str(exc)
+                     else f"Prediction failed (503): {reason}")
+    if not isinstance(answers, list):
+        return _fail(len(items), f"Invalid model predict output (503): handle() returned {type(answers).__name__}, "
+                                 "not a list")
+    if len(answers) != len(items):
+        return _fail(len(items), f"number of batch response mismatched (503): expected {len(items)} answers, "
+                                 f"got {len(answers)}")
+    context.metrics.add_time("PredictionTime", round((time.time() - start) * 1000, 2))
+    try:
+        return [_answer(context, index, answer) for index, answer in enumerate(answers)]
+    except TypeError as exc:
+        return _fail(len(items), f"Unsupported model output data type. (503): {_first_line(exc)}")
+
+
+def serialize(answer) -> tuple[bytes, bool]:
+    """An answer's bytes as TorchServe's create_predict_response writes them: bytes as they are, str in UTF-8, a
+    tensor by torch.save, anything else json.dumps(indent=2) (TypeError where it cannot); and whether JSON."""
+    import torch
+
+    if isinstance(answer, (bytes, bytearray)):
+        return bytes(answer), False
+    if isinstance(answer, str):
+        return answer.encode("utf-8"), False
+    if isinstance(answer, torch.Tensor):
+        buffer = io.BytesIO()
+        torch.save(answer, buffer)
+        return buffer.getvalue(), False
+    return json.dumps(answer, indent=2).encode("utf-8"), True
+
+
+def _answer(context, index: int, answer) -> Answer:
+    payload, is_json = serialize(answer)
+    code, phrase = context.get_response_status(index)
+    if code is not None and code >= 400:  # the handler failed this request alone (context.set_response_status)
+        return Answer(error=f"{phrase or 'error'} ({code})")
+    content_type = context.get_response_content_type(index) or (JSON if is_json else "")
+    return Answer(payload, content_type)
+
+
+def _fail(count: int, message: str) -> list[Answer]:
+    return [Answer(error=message)] * count
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

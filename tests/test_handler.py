@@ -1,0 +1,242 @@
+"""A TorchServe handler served unchanged (build-repo --from-mar --trust-model-code), on a real tritonserver.
+
+Archives are made with torch-model-archiver from handlers written here; the reference is the same handler run
+in-process with TorchServe 0.12's own Context.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from builder import cli as build_repo
+from common.modelconfig import read_config
+from server.errors import ServerError
+
+# JSON in, JSON out: the sum of "values" times the archive's scale.json, and the batch handle() saw.
+JSON_HANDLER = '''
+import json
+import os
+
+from ts.torch_handler.base_handler import BaseHandler
+
+
+class JsonSum(BaseHandler):
+    def initialize(self, context):
+        with open(os.path.join(context.system_properties["model_dir"], "scale.json")) as file:
+            self.scale = json.load(file)["scale"]
+        self.initialized = True
+
+    def preprocess(self, data):
+        rows = [row.get("data") or row.get("body") for row in data]
+        return [json.loads(row) if isinstance(row, (bytes, bytearray)) else row for row in rows]
+
+    def inference(self, rows):
+        for row in rows:
+            if row.get("fail"):
+                raise ValueError("asked to fail by " + str(row["values"]))
+        return [{"sum": sum(row["values"]) * self.scale, "batch": len(rows)} for row in rows]
+
+    def postprocess(self, answers):
+        return answers
+'''
+# A handle function that returns text with its own content type.
+TEXT_HANDLER = '''
+def handle(data, context):
+    if data is None:
+        return None
+    for index in range(len(data)):
+        context.set_response_content_type(index, "text/plain; charset=utf-8")
+    return [bytes(row.get("body")).decode("utf-8").upper() for row in data]
+'''
+FEWER_HANDLER = '''
+def handle(data, context):
+    return None if data is None else [{"ok": True}] * (len(data) - 1)
+'''
+BAD_INIT_HANDLER = '''
+from ts.torch_handler.base_handler import BaseHandler
+
+
+class BadInit(BaseHandler):
+    def initialize(self, context):
+        raise RuntimeError("weights file no_such.pt is missing")
+'''
+BATCHING = "batchSize: 8\nmaxBatchDelay: 200\n"
+
+
+def _archive(folder: Path, name: str, handler_code: str, extra: dict[str, str] | None = None,
+             config: str | None = None, requirements: str | None = None) -> Path:
+    """A .mar made by torch-model-archiver from a handler file (and extra files), as a TorchServe user has it."""
+    src = folder / f"{name}-src"
+    src.mkdir(parents=True)
+    (src / f"{name}_handler.py").write_text(handler_code)
+    argv = ["--model-name", name, "--version", "1.0", "--handler", str(src / f"{name}_handler.py"),
+            "--export-path", str(folder), "--force"]
+    for file, text in (extra or {}).items():
+        (src / file).write_text(text)
+    if extra:
+        argv += ["--extra-files", ",".join(str(src / file) for file in extra)]
+    if config is not None:
+        (src / "model-config.yaml").write_text(config)
+        argv += ["--config-file", str(src / "model-config.yaml")]
+    if requirements is not None:
+        (src / "requirements.txt").write_text(requirements)
+        argv += ["--requirements-file", str(src / "requirements.txt")]
+    archiver = Path(sys.executable).with_name("torch-model-archiver")
+    subprocess.run([str(archiver), *argv], check=True, capture_output=True, timeout=120)
+    return folder / f"{name}.mar"
+
+
+def _build(archive: Path, output: Path, *flags: str) -> None:
+    assert build_repo.main(["--from-mar", str(archive), "--output", str(output), "--kind", "cpu",
+                            "--trust-model-code", *flags]) == 0
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("handler-archives")
+    return {"jsonsum": _archive(folder, "jsonsum", JSON_HANDLER, {"scale.json": '{"scale": 3}'}, BATCHING),
+            "text": _archive(folder, "text", TEXT_HANDLER),
+            "fewer": _archive(folder, "fewer", FEWER_HANDLER),
+            "badinit": _archive(folder, "badinit", BAD_INIT_HANDLER)}
+
+
+@pytest.fixture(scope="module")
+def repository(made, tmp_path_factory):
+    """The three models that load; badinit is built into it by the test that loads it."""
+    repo = tmp_path_factory.mktemp("handler-repo") / "repo"
+    for name in ("jsonsum", "text", "fewer"):
+        _build(made[name], repo)
+    return repo
+
+
+def _infer(client, model: str, body: bytes) -> tuple[bytes, str]:
+    data = httpclient.InferInput("BODY", [1, 1], "BYTES")
+    data.set_data_from_numpy(np.array([[body]], dtype=np.object_))
+    result = client.infer(model, [data])
+    return result.as_numpy("RESPONSE")[0][0], result.as_numpy("CONTENT_TYPE")[0][0].decode()
+
+
+def _linear_state() -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2).state_dict()
+
+
+def _in_process(folder: Path, name: str, bodies: list[bytes]) -> list:
+    """The handler run as TorchServe's worker runs it, one request per call: ts's own Context."""
+    import ts
+    from ts.context import Context, RequestProcessor
+    from ts.metrics.metric_cache_yaml_impl import MetricsCacheYamlImpl
+
+    source = folder / f"{name}-src"
+    spec = importlib.util.spec_from_file_location(f"ref_{name}", source / f"{name}_handler.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    metrics = MetricsCacheYamlImpl(os.path.join(os.path.dirname(ts.__file__), "configs", "metrics.yaml"))
+    metrics.initialize_cache()
+    context = Context(name, str(source), {"model": {"modelName": name}}, 8, None, ts.__version__, True, metrics, {})
+    handler = module.JsonSum()
+    handler.initialize(context)
+    answers = []
+    for body in bodies:
+        context.request_processor = [RequestProcessor({})]
+        answers += handler.handle([{"data": body, "body": body}], context)
+    return answers
+
+
+def test_build_repo_writes_the_handler_model_when_the_archive_has_a_custom_handler(made, tmp_path, capsys):
+    repo = tmp_path / "repo"
+    archive = _archive(tmp_path, "reqs", FEWER_HANDLER, config="batchSize: 4\nmaxBatchDelay: 7\nminWorkers: 2\n",
+                       requirements="numpy\n# a comment\nscipy==1.0\n")
+    _build(archive, repo)
+    out = capsys.readouterr().out
+    assert "requirements.txt lists 2 package(s) (numpy, scipy==1.0): not installed" in out
+    config = read_config(repo / "reqs")
+    assert (config.backend, config.max_batch_size, config.dynamic_batching.max_queue_delay_microseconds) == \
+        ("python", 4, 7000)
+    assert [(t.name, t.dims) for t in config.input] == [("BODY", [1])]
+    assert [(t.name, t.dims) for t in config.output] == [("RESPONSE", [1]), ("CONTENT_TYPE", [1])]
+    assert sum(group.count for group in config.instance_group) == 2
+    version = repo / "reqs" / "1"
+    assert (version / "archive" / "MAR-INF" / "MANIFEST.json").is_file()
+    assert (version / "archive" / "reqs_handler.py").read_text() == FEWER_HANDLER
+    assert {p.name for p in version.glob("*.py")} == {"model.py", "ts_worker.py"}
+    _build(archive, repo, "--force", "--max-batch-size", "16", "--max-batch-delay-ms", "2")
+    config = read_config(repo / "reqs")
+    assert (config.max_batch_size, config.dynamic_batching.max_queue_delay_microseconds) == (16, 2000)
+
+
+def test_build_repo_refuses_the_handler_path_in_one_line_when_code_is_not_trusted(made, tmp_path, capsys):
+    status = build_repo.main(["--from-mar", str(made["jsonsum"]), "--output", str(tmp_path / "repo")])
+    err = capsys.readouterr().err.strip()
+    assert status != 0 and len(err.splitlines()) == 1 and "--trust-model-code" in err, err
+    assert not (tmp_path / "repo" / "jsonsum").exists()
+
+
+def test_served_answers_equal_the_handler_in_process_when_sent_one_at_a_time(made, repository, start_server):
+    server = start_server(repository)
+    bodies = [json.dumps({"values": values}).encode() for values in ([1, 2, 3], [0.5], [], [-4, 10])]
+    client = httpclient.InferenceServerClient(server.http_url)
+    served = [_infer(client, "jsonsum", body) for body in bodies]
+    expected = _in_process(made["jsonsum"].parent, "jsonsum", bodies)
+    assert [payload for payload, _ in served] == [json.dumps(answer, indent=2).encode() for answer in expected]
+    assert {content_type for _, content_type in served} == {"application/json"}
+    assert _infer(client, "text", b"hello") == (b"HELLO", "text/plain; charset=utf-8")
+
+
+def test_concurrent_requests_reach_handle_as_one_list_when_sent_together(repository, start_server):
+    server = start_server(repository)
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    pending = []
+    for index in range(8):
+        data = httpclient.InferInput("BODY", [1, 1], "BYTES")
+        data.set_data_from_numpy(np.array([[json.dumps({"values": [index]}).encode()]], dtype=np.object_))
+        pending.append(client.async_infer("jsonsum", [data]))
+    answers = [json.loads(p.get_result().as_numpy("RESPONSE")[0][0]) for p in pending]
+    assert [answer["sum"] for answer in answers] == [3 * index for index in range(8)]  # each its own answer
+    assert max(answer["batch"] for answer in answers) > 1, answers
+
+
+def test_faults_stay_in_their_batch_when_a_handler_raises_or_miscounts(made, repository, start_server):
+    server = start_server(repository, model_control="explicit")
+    client = httpclient.InferenceServerClient(server.http_url)
+    with pytest.raises(InferenceServerException, match=r"Prediction failed.*asked to fail by \[7\]"):
+        _infer(client, "jsonsum", json.dumps({"values": [7], "fail": True}).encode())
+    assert json.loads(_infer(client, "jsonsum", b'{"values": [2]}')[0])["sum"] == 6  # the next batch answers
+    with pytest.raises(InferenceServerException, match="number of batch response mismatched"):
+        _infer(client, "fewer", b"{}")
+    assert server.ready() and server.model_ready("fewer") and server.model_ready("jsonsum")
+
+    _build(made["badinit"], repository)
+    try:
+        with pytest.raises(ServerError, match="failed to initialize: RuntimeError: weights file no_such.pt is missing"):
+            server.load("badinit")
+        assert not server.model_ready("badinit")
+        # Triton's strict readiness makes the server "not ready" once a model failed to load; it stays live and
+        # serves the others.
+        assert client.is_server_live() and server.model_ready("jsonsum") and server.model_ready("text")
+        assert json.loads(_infer(client, "jsonsum", b'{"values": [1]}')[0])["sum"] == 3
+    finally:
+        shutil.rmtree(repository / "badinit")  # the module's other servers load every model in it
+
+
+def test_handler_path_flag_serves_an_image_classifier_archive_with_its_handler_when_asked(tmp_path):
+    from examples.migrate_torchserve import make_archive
+
+    model = "import torch\n\n\nclass Net(torch.nn.Linear):\n    def __init__(self):\n        super().__init__(4, 2)\n"
+    archive = make_archive(tmp_path, "imgc", model, _linear_state(), ["a", "b"])
+    _build(archive, tmp_path / "repo", "--handler-path")
+    assert [t.name for t in read_config(tmp_path / "repo" / "imgc").input] == ["BODY"]
+    assert read_config(tmp_path / "repo" / "imgc").parameters["torchserve_handler"].string_value == "image_classifier"
+    assert not (tmp_path / "repo" / "imgc_image").exists()
