@@ -60,8 +60,9 @@ def store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def front(store):
-    started = TorchServeFront(store.parent / "front", model_store=str(store), enable_model_api="true",
-                              disable_token_authorization="true", max_request_size="3000000", foo_bar="1")
+    started = TorchServeFront(store.parent / "front", "--trust-model-code", model_store=str(store),
+                              enable_model_api="true", disable_token_authorization="true",
+                              max_request_size="3000000", foo_bar="1")
     yield started
     started.stop()
 
@@ -196,6 +197,24 @@ def test_unsupported_config_key_is_named_once_and_not_fatal_when_started(front):
         "config.properties: foo_bar is not supported by serve-repo; ignored"]
 
 
+def test_a_custom_handler_archive_is_served_by_its_own_handler_when_registered(front, store):
+    from test_handler import BATCHING, JSON_HANDLER, _archive
+
+    _archive(store, "jsonsum", JSON_HANDLER, {"scale.json": '{"scale": 3}'}, BATCHING)
+    status, body = call("POST", f"{front.management_url}/models?url=jsonsum.mar&initial_workers=1")
+    assert status == 200, body
+    url = f"{front.inference_url}/predictions/jsonsum"
+    status, body = call("POST", url, b'{"values": [1, 2, 3.5]}', {"Content-Type": "application/json"})
+    assert status == 200 and json.loads(body) == {"sum": 19.5, "batch": 1}
+    with ThreadPoolExecutor(8) as pool:  # one handle() call per batch Triton formed
+        answers = list(pool.map(lambda i: call("POST", url, json.dumps({"values": [i]}).encode(),
+                                                {"Content-Type": "application/json"}), range(8)))
+    assert [json.loads(b)["sum"] for _, b in answers] == [3 * i for i in range(8)]
+    failed = call("POST", url, b'{"values": [1], "fail": true}', {"Content-Type": "application/json"})
+    assert failed[0] == 503 and json.loads(failed[1])["message"] == "Prediction failed"
+    assert call("GET", f"{front.inference_url}/ping")[0] == 200
+
+
 class Traffic:
     """Predictions sent back to back from 4 threads until stopped; every answer kept with when it was sent."""
 
@@ -288,7 +307,8 @@ def configured(store, front):
     with models= settings, the model API off, job_queue_size 1. Started after `front` built the archive."""
     models = json.dumps({NAME: {VERSION: {"marName": f"{NAME}.mar", "batchSize": 8, "maxBatchDelay": 10,
                                           "minWorkers": 1, "defaultVersion": True}}})
-    started = TorchServeFront(store.parent / "configured", model_store=str(store), load_models=f"{NAME}.mar",
+    started = TorchServeFront(store.parent / "configured", "--trust-model-code", model_store=str(store),
+                              load_models=f"{NAME}.mar",
                               models=models, job_queue_size="1")
     keys = json.loads((started.folder / "key_file.json").read_text())
     started.keys = {api: {"Authorization": f"Bearer {keys[api]['key']}"} for api in ("inference", "management")}

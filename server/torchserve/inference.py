@@ -3,6 +3,7 @@ image_classifier handler answers (its top 5 as one JSON object), the image sent 
 from __future__ import annotations
 
 import asyncio
+import re
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -20,6 +21,9 @@ from server.torchserve.replies import HANDLERS, error, reply, too_large
 TOP_K = 5  # ImageClassifier.topk
 PREDICTION_FAILED = "Prediction failed"
 DISCARD_BYTES = 64 << 20
+# Headers not handed to a handler (TorchServe hands it the rest): the token, and what only the connection means.
+NOT_FORWARDED = {"authorization", "host", "connection", "content-length", "transfer-encoding", "expect",
+                 "keep-alive", "upgrade"}
 
 
 class TooLarge(Exception):
@@ -86,7 +90,7 @@ class Inference:
         alive = await asyncio.to_thread(self.instances)
         for model in self.registry.all():
             try:
-                ready = await self.client.is_model_ready(model.image_model)
+                ready = await self.client.is_model_ready(model.entry)
             except (InferenceServerException, OSError):
                 ready = False
             if not ready or alive.get(model.triton, 0) < model.workers:
@@ -99,6 +103,14 @@ class Inference:
             model = self.registry.find(params["model_name"], params.get("version"))
         except NotFound as exc:
             return error(404, str(exc), exc.kind)
+        # Counted from here, so that an unregistering waits for this request (Registry.unregister).
+        model.pending += 1
+        try:
+            return await self._predict(request, model)
+        finally:
+            model.pending -= 1
+
+    async def _predict(self, request: Request, model) -> Response:
         try:
             payload = await body_of(request, self.max_request_size)
         except TooLarge:
@@ -107,21 +119,41 @@ class Inference:
             return error(503, PREDICTION_FAILED, "InternalServerException")
         # TorchServe's job queue: job_queue_size requests may wait beyond those its workers hold (a batch each);
         # past that, 503 at once. Counted here: a Triton queue policy would bring back its batcher's 500 ms stall.
-        if model.pending >= self.job_queue_size + model.batch_size * model.workers:
+        if model.pending > self.job_queue_size + model.batch_size * model.workers:
             return error(503, f'Model "{model.name}" has no worker to serve inference request. Please use scale '
                               "workers API to add workers. If this is a sequence inference, please check if it is "
                               "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")
-        model.pending += 1
+        if model.handler:
+            return await self._handled(model, payload, request.headers)
+        return await self._infer(model, payload)
+
+    async def _handled(self, model, payload: bytes, headers) -> Response:
+        """The archive's own handler (a custom handler's archive): the body to its BODY, its answer as it made it,
+        the request's headers as TorchServe hands them to a handler; its failure as TorchServe's worker reports it."""
+        tensor = aioclient.InferInput("BODY", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
+        forwarded = {key: value for key, value in headers.items() if key not in NOT_FORWARDED}
         try:
-            return await self._infer(model, payload)
-        finally:
-            model.pending -= 1
+            result = await self.client.infer(model.entry, [tensor], parameters=forwarded,
+                                             outputs=[aioclient.InferRequestedOutput("RESPONSE"),
+                                                      aioclient.InferRequestedOutput("CONTENT_TYPE")],
+                                             timeout=model.response_timeout * 1_000_000)
+        except InferenceServerException as exc:
+            reason = first_line(exc)
+            self.log(f"prediction failed for {model.name}: {reason[:300]}")
+            code = re.search(r"\((\d{3})\)", reason)
+            status = int(code.group(1)) if code else 503
+            return error(status, "Prediction failed" if status == 503 else reason.split(" (")[0],
+                         "InternalServerException")
+        body = result.as_numpy("RESPONSE").reshape(-1)[0]
+        content_type = result.as_numpy("CONTENT_TYPE").reshape(-1)[0].decode("utf-8", "replace")
+        return Response(bytes(body), 200, media_type=content_type or None)
 
     async def _infer(self, model, payload: bytes) -> Response:
         tensor = aioclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
         try:
-            result = await self.client.infer(model.image_model, [tensor],
+            result = await self.client.infer(model.entry, [tensor],
                                              outputs=[aioclient.InferRequestedOutput("LOGITS")],
                                              timeout=model.response_timeout * 1_000_000)
         except InferenceServerException as exc:

@@ -48,7 +48,7 @@ class Metrics:
                 queued += float(inference.get("queue", {}).get("ns", 0)) / 1000
                 # an ensemble counts its requests but not their time: that is its models'
                 latency += float(inference.get("success", {}).get("ns", 0)) / 1000
-                if member == model.image_model:
+                if member == model.entry:
                     requests += float(inference.get("success", {}).get("count", 0))
                     requests += float(inference.get("fail", {}).get("count", 0))
         return requests, latency, queued

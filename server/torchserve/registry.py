@@ -51,11 +51,22 @@ class Model:
     start_time: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
                             + "Z")
     members: list[str] = field(default_factory=list)  # Triton model names, in load order
-    pending: int = 0  # predictions sent to Triton and not yet answered (the front's event loop counts them)
+    pending: int = 0  # predictions this model was found for and not yet answered (counted by the event loop)
+
+    @property
+    def handler(self) -> bool:
+        """Served by the archive's own handler (build-repo --from-mar of a custom handler's archive: one model,
+        BODY in, RESPONSE and CONTENT_TYPE out), not by the image path (NAME_image)."""
+        return self.members == [self.triton]
 
     @property
     def image_model(self) -> str:
         return f"{self.triton}_image"
+
+    @property
+    def entry(self) -> str:
+        """The Triton model a prediction goes to."""
+        return self.triton if self.handler else self.image_model
 
 
 class Registry:
@@ -169,12 +180,17 @@ class Registry:
             elif self.defaults.get(model.name) == model.version:
                 self.defaults[model.name] = sorted(versions)[0]
             self.server.loaded = [m for m in self.server.loaded if m not in model.members]
+            # What the front already sent on is answered first; then the models one by one, the ensemble first and
+            # each gone before the next, so that no request in flight in one finds the next one unloaded.
+            deadline = time.monotonic() + model.response_timeout
+            while model.pending and time.monotonic() < deadline:
+                time.sleep(0.05)
             for member in reversed(model.members):
                 try:
                     self.server.unload(member)
                 except ServerError as exc:
                     self.log(f"unregister {model.name}: {exc}")
-            self._wait_unloaded(model.members)
+                self._wait_unloaded([member])
             self._remove(model.members)
 
     def _wait_unloaded(self, members: list[str], limit: float = 120) -> None:
