@@ -301,6 +301,31 @@ def test_an_http_url_is_fetched_into_the_store_and_served_when_registered(front,
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", PHOTO.read_bytes())[0] == 200
 
 
+def test_a_second_version_is_served_beside_the_first_and_set_default_as_torchserve_when_registered(front, store):
+    """After the url test: resnet-18 2.0 is registered; its 3.0 comes from another file of the store."""
+    other = torchserve.resnet_archive(store.parent / "v3", NAME, None, None, None, arch="resnet18", fc_scale=0.01,
+                                      seed=1, version="3.0")
+    shutil.copy(other, store / "resnet-18-v3.mar")
+    status, body = call("POST", f"{front.management_url}/models?url=resnet-18-v3.mar&initial_workers=1")
+    assert (status, json.loads(body)) == (200, {"status": f'Model "{NAME}" Version: 3.0 registered with 1 initial '
+                                                          "workers"})
+    versions = json.loads(call("GET", f"{front.management_url}/models/{NAME}/all")[1])
+    assert sorted(v["modelVersion"] for v in versions) == ["2.0", "3.0"]
+    photo = PHOTO.read_bytes()
+    two, three = (call("POST", f"{front.inference_url}/predictions/{NAME}/{v}", photo) for v in ("2.0", "3.0"))
+    assert two[0] == three[0] == 200 and json.loads(two[1]) != json.loads(three[1])  # other weights, other answer
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[1] == two[1]  # the first is the default
+    # TorchServe's own answers (recorded from TorchServe 0.12 on the same sequence)
+    assert call("DELETE", f"{front.management_url}/models/{NAME}/2.0") == (403, (
+        b'{\n  "code": 403,\n  "type": "InvalidModelVersionException",\n  "message": "Cannot remove default version '
+        b'for model resnet-18"\n}\n'))
+    assert call("PUT", f"{front.management_url}/models/{NAME}/3.0/set-default") == (200, (
+        b'{\n  "status": "Default version successfully updated for model \\"resnet-18\\" to \\"3.0\\""\n}\n'))
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[1] == three[1]
+    assert call("DELETE", f"{front.management_url}/models/{NAME}/2.0")[0] == 200
+    assert call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[1] == three[1]
+
+
 @pytest.fixture(scope="module")
 def configured(store, front):
     """A second serve-repo on the same store, configured as TorchServe users do: tokens on, the archive loaded at start
