@@ -56,6 +56,17 @@ class Management:
         except ServerError as exc:
             return error(500, str(exc))
 
+    def _background(self, call, *args, **kwargs) -> None:
+        """`call` off the event loop, answered already (synchronous=false): its failure goes to the log."""
+        task = asyncio.create_task(asyncio.to_thread(call, *args, **kwargs))
+        self._tasks.add(task)
+
+        def done(finished: asyncio.Task) -> None:
+            self._tasks.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                self.registry.log(f"serve-repo: {call.__name__} failed: {finished.exception()}")
+        task.add_done_callback(done)
+
     def _model_api_off(self) -> Response:
         # TorchServe's answer, word for word (enable_model_api=true or serve-repo --enable-model-api turns it on)
         return error(405, "Requested method is not allowed, please refer to API document.")
@@ -74,9 +85,7 @@ class Management:
                     workers=workers or None,
                     response_timeout=_int(request, "response_timeout", self.registry.response_timeout, 1))
         if not _bool(request, "synchronous", True):
-            task = asyncio.create_task(asyncio.to_thread(self.registry.register, **args))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self.registry.register, **args)
             return reply({"status": "Processing worker updates..."}, 202)
         model = await asyncio.to_thread(self.registry.register, **args)
         return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
@@ -137,9 +146,7 @@ class Management:
             raise BadParameter("max_worker cannot be less than min_worker.")
         workers = max(low, 1)
         if not _bool(request, "synchronous", False):
-            task = asyncio.create_task(asyncio.to_thread(self.registry.scale, model, workers))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self.registry.scale, model, workers)
             return reply({"status": "Processing worker updates..."}, 202)
         await asyncio.to_thread(self.registry.scale, model, workers)
         named = f", version: {model.version}" if request.path_params.get("version") else ""
