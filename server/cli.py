@@ -101,6 +101,10 @@ def parser() -> argparse.ArgumentParser:
     ts.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"),
                     help="build-repo --precision for the archives. Default: build-repo's (fp32 on CPU: the "
                          "archive's own answers).")
+    ts.add_argument("--handler-path", action="store_true",
+                    help="build-repo --handler-path: serve every archive with its own handler (TorchServe's "
+                         "handle() per batch), image_classifier ones too, for comparison. Default: off "
+                         "(image_classifier archives take the image path).")
     ts.add_argument("--trust-model-code", action="store_true",
                     help="build-repo --trust-model-code: run an archive's model file where its weights fit no "
                          "torchvision model. Default: off.")

@@ -326,6 +326,19 @@ def test_a_second_version_is_served_beside_the_first_and_set_default_as_torchser
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[1] == three[1]
 
 
+def test_handler_path_serves_torchserves_own_image_classifier_with_torchserves_answer_when_asked(store, reference):
+    """serve-repo --handler-path: the archive's image_classifier handler itself, in Triton's stub, batched by Triton."""
+    handled = TorchServeFront(store.parent / "handler-path", "--handler-path", "--trust-model-code",
+                              model_store=str(store), load_models=f"{NAME}.mar", disable_token_authorization="true")
+    try:
+        status, body = call("POST", f"{handled.inference_url}/predictions/{NAME}", PHOTO.read_bytes())
+        ours, theirs = json.loads(body), json.loads(reference["photo"][1])
+        assert status == 200 and list(ours) == list(theirs)
+        assert np.allclose(list(ours.values()), list(theirs.values()), rtol=0, atol=1e-5)
+    finally:
+        handled.stop()
+
+
 @pytest.fixture(scope="module")
 def configured(store, front):
     """A second serve-repo on the same store, configured as TorchServe users do: tokens on, the archive loaded at start
