@@ -35,9 +35,12 @@ from perf.torchserve_bench import closed_loop, closed_loop_of, cpu, cpu_slug, ve
 
 REGISTRATION = {"batch_size": 8, "max_batch_delay": 10, "initial_workers": 1}  # the seed walkthrough's
 LEVELS = {"resnet152": (1, 8), "resnet18": (32,)}
+HANDLER_FLAGS = ["--handler-path", "--trust-model-code"]  # the archive's own handler, TorchServe's code
 TARGETS = {"fp32_c8_over_torchserve": (">=", 1.15), "auto_c8_over_torchserve": (">=", 2.3),
            "fp32_c1_p50_over_torchserve": ("<=", 0.6), "api_over_direct_c8": (">=", 0.95),
-           "api_minus_direct_c1_p50_ms": ("<=", 1.0), "resnet18_api_over_direct_c32": (">=", 0.9)}
+           "api_minus_direct_c1_p50_ms": ("<=", 1.0), "resnet18_api_over_direct_c32": (">=", 0.9),
+           # issue 36: the same handler, TorchServe's, batched by Triton in its stub
+           "handler_c8_over_torchserve": (">=", 1.2), "handler_c1_p50_over_torchserve": ("<=", 0.9)}
 
 
 class BenchError(RuntimeError):
@@ -128,9 +131,10 @@ def run_torchserve(folder: Path, archive: Path, body: bytes, args) -> dict:
             server.inference_url, archive.stem, body, c, args.seconds, args.warmup), archive.stem)}
 
 
-def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], body: bytes, args, found: dict) -> dict:
-    """serve-repo --torchserve-config with `flags`: each model registered, measured through /predictions and
-    direct, unregistered. Returns {model: {"ours": ..., "direct": ...}}."""
+def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], body: bytes, args, found: dict,
+             straight_too: bool = True) -> dict:
+    """serve-repo --torchserve-config with `flags`: each model registered, measured through /predictions and (with
+    `straight_too`) direct, unregistered. Returns {model: {"ours": ..., "direct": ...}}."""
     try:
         front = TorchServeFront(folder, *flags, timeout=args.start_timeout, model_store=str(store),
                                 enable_model_api="true", disable_token_authorization="true")
@@ -147,6 +151,10 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
             print(f"{label}, {name} ({precision}) through /predictions:", file=sys.stderr)
             ours = measure(lambda c: closed_loop(front.inference_url, name, body, c, args.seconds, args.warmup),
                            name)
+            if not straight_too:  # the handler path: no NAME_image to go to
+                results[name] = {"ours": {"registered": registered, **ours}}
+                _call("DELETE", f"{front.management_url}/models/{name}")
+                continue
             print(f"{label}, {name} direct to {name}_image:", file=sys.stderr)
             straight = measure(lambda c: closed_loop_of(direct(port, name, body), c, args.seconds, args.warmup, top5),
                                name)
@@ -180,7 +188,11 @@ def ratios(r152: dict | None, r18: dict | None) -> dict:
             "api_over_direct_c8": _ratio(get("ours_fp32", "c8_images_per_s"), get("direct_fp32", "c8_images_per_s")),
             "api_minus_direct_c1_p50_ms": _ratio(get("ours_fp32", "c1_p50_ms"), get("direct_fp32", "c1_p50_ms"), True),
             "resnet18_api_over_direct_c32": _ratio((r18 or {}).get("ours_c32_images_per_s"),
-                                                   (r18 or {}).get("direct_c32_images_per_s"))}
+                                                   (r18 or {}).get("direct_c32_images_per_s")),
+            "handler_c8_over_torchserve": _ratio(get("ours_handler", "c8_images_per_s"),
+                                                 get("torchserve", "c8_images_per_s")),
+            "handler_c1_p50_over_torchserve": _ratio(get("ours_handler", "c1_p50_ms"),
+                                                     get("torchserve", "c1_p50_ms"))}
 
 
 def targets(found: dict) -> dict:
@@ -243,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
                     "torchserve": None if args.skip_torchserve else
                     run_torchserve(Path(tmp) / "torchserve", archives["resnet152"], body, args),
                     "ours_fp32": fp32["resnet152"]["ours"], "direct_fp32": fp32["resnet152"]["direct"],
-                    "ours_auto": auto["ours"], "direct_auto": auto["direct"]}
+                    "ours_auto": auto["ours"], "direct_auto": auto["direct"],
+                    # issue 36: the archive's own image_classifier handler in Triton's stub (serve-repo --handler-path)
+                    "ours_handler": run_ours(Path(tmp) / "ours-handler", store, HANDLER_FLAGS, ["resnet152"], body,
+                                             args, machine, straight_too=False)["resnet152"]["ours"]}
             if "resnet18" in models:
                 ours, straight = fp32["resnet18"]["ours"], fp32["resnet18"]["direct"]
                 result["resnet18"] = {"ours_c32_images_per_s": ours.pop("c32_images_per_s"),
