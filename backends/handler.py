@@ -11,6 +11,7 @@ import os
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+import ts_engine
 import ts_worker
 
 BODY, RESPONSE, CONTENT_TYPE = "BODY", "RESPONSE", "CONTENT_TYPE"
@@ -29,6 +30,17 @@ class TritonPythonModel:
         folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), ARCHIVE_DIR)
         # A handler failing here fails the load: Triton reports the reason (ts_worker.HandlerError's message).
         self.service = ts_worker.load(folder, args["model_name"], gpu, max(int(config.get("max_batch_size", 1)), 1))
+        params = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        name = f"{args['model_name']} (instance {args.get('model_instance_name', '')})"
+
+        def report(message: str, warning: bool) -> None:
+            (pb_utils.Logger.log_warn if warning else pb_utils.Logger.log_info)(f"{name}: {message}")
+
+        engine = params.get("handler_engine", ts_engine.EAGER) if gpu is None else ts_engine.EAGER
+        why_not = ts_engine.accelerate(self.service, engine, params.get("openvino_precision_hint", "f32"),
+                                       float(params.get("engine_tolerance", "1e-4")), report)
+        if why_not:
+            report(f"the handler's model runs on eager PyTorch: {why_not}", False)
 
     def execute(self, requests):
         responses, items, owners = [None] * len(requests), [], []

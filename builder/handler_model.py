@@ -8,6 +8,7 @@ from pathlib import Path
 
 from builder import config as cfg
 from builder import mar
+from common import precision as precisions
 from builder.plan import instance_kind, preprocessing_overrides
 from builder.repository import HANDLER_FILES, model_names
 from builder.staging import BuildError, check_writable, remove_stale_staging, signals_deferred, staging_prefix, swap_in
@@ -55,8 +56,12 @@ def build(args, report=print) -> list[Path]:
             for target, source in HANDLER_FILES.items():
                 shutil.copyfile(Path(__file__).resolve().parent.parent / source, version / target)
             compileall.compile_dir(staging / name, quiet=2)  # as repository.build does (Triton's modified check)
+        engine = spec.parameters["handler_engine"]
+        runs = "eager PyTorch, as TorchServe" if engine == "eager" else \
+            f"OpenVINO ({spec.parameters['openvino_precision_hint'] or 'its choice'}) once it matched eager PyTorch on the first batch"
         report(f"serving {name}: TorchServe handler {handler!r} of {path.name}, max_batch_size "
-               f"{spec.batching.max_batch_size}, max_queue_delay {spec.batching.max_queue_delay_us} us")
+               f"{spec.batching.max_batch_size}, max_queue_delay {spec.batching.max_queue_delay_us} us; its model "
+               f"runs on {runs}")
         requirements = _requirements(version / ARCHIVE_DIR, model)
         if requirements:
             report(requirements)
@@ -93,7 +98,36 @@ def _spec(name: str, args, settings: dict, handler: str) -> cfg.ModelSpec:
     body = cfg.Tensor(BODY, "TYPE_STRING", (1,))
     outputs = (cfg.Tensor(RESPONSE, "TYPE_STRING", (1,)), cfg.Tensor(CONTENT_TYPE, "TYPE_STRING", (1,)))
     return cfg.ModelSpec(name, (body,), outputs, cfg.Format.PYTHON, cfg.Batching(batch, delay if batch else 0),
-                         kind, max(instances, 1), {"torchserve_handler": handler, "archive_dir": ARCHIVE_DIR})
+                         kind, max(instances, 1), {"torchserve_handler": handler, "archive_dir": ARCHIVE_DIR,
+                                                   **_engine(args, kind)})
+
+
+HANDLER_PRECISIONS = ("fp32", "auto", "bf16")  # what OpenVINO runs for the handler's model (fp32: PyTorch's answers)
+
+
+def _engine(args, kind: cfg.InstanceKind) -> dict[str, str]:
+    """What runs the handler's model: OpenVINO on CPU instances (--engine auto or openvino), from the first batch
+    on, once its answers on that batch matched eager PyTorch's within the precision's tolerance; eager PyTorch as
+    TorchServe runs it on GPU instances or with --engine torch."""
+    cpu = kind == cfg.InstanceKind.CPU
+    engine = args.engine if args.engine != "auto" else ("openvino" if cpu else "torch")
+    precision = args.precision or precisions.DEFAULT
+    if engine not in ("torch", "openvino"):
+        raise cfg.ConfigError(f"--engine {engine} does not run a TorchServe handler's model: --engine openvino "
+                              "(CPU, the default there) or torch (eager PyTorch, as TorchServe runs it)")
+    if engine == "openvino" and not cpu:
+        raise cfg.ConfigError("--engine openvino runs on CPU instances: use --kind cpu")
+    if engine == "torch":
+        if precision != precisions.DEFAULT:
+            raise cfg.ConfigError(f"--precision {precision} with the handler path needs --engine openvino: eager "
+                                  "PyTorch runs the handler's model as the handler made it")
+        return {"handler_engine": "eager"}
+    if precision not in HANDLER_PRECISIONS:
+        raise cfg.ConfigError(f"--precision {precision} is not one the handler path runs: "
+                              f"{', '.join(HANDLER_PRECISIONS)}")
+    hint = precisions.OPENVINO_HINTS[precision] or ""  # none: OpenVINO's choice for the serving CPU
+    return {"handler_engine": "openvino", "openvino_precision_hint": hint,
+            "engine_tolerance": repr(precisions.TOLERANCE[precision])}
 
 
 def _requirements(folder: Path, model: dict) -> str:

@@ -14,7 +14,8 @@ from perf.gpu_steps import ROOT, Context, StepFailed, run_bounded
 
 PACKAGES = ("nvidia-pytriton", "tritonclient", "grpcio", "protobuf", "numpy", "pillow", "onnxruntime",
             "onnxruntime-gpu", "geventhttpclient", "python-rapidjson")
-GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_options.py", "tests/test_preprocess_gpu.py")
+GPU_TESTS = ("tests/test_gpu.py", "tests/test_gpu_options.py", "tests/test_preprocess_gpu.py",
+             "tests/test_handler_gpu.py")
 
 
 def _run(cmd: list[str], timeout: float = 30) -> str:

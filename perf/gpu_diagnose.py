@@ -16,6 +16,7 @@ Steps, in this order by default:
                         that fails, variants that tell decode from GPU output)
   parity                nvJPEG + GPU transforms vs PIL on perf.samples' JPEGs
   gpu_tests             pytest tests/test_gpu.py tests/test_gpu_options.py tests/test_preprocess_gpu.py
+                        tests/test_handler_gpu.py
   python_backend_probe  echo models (CPU, GPU instance) vs resnet18 fp16, served img/s at c=1 and 64
 
 On the bare GPU machine (no package registry; the wheels travel with the tree, e.g. in .whl/):

@@ -171,7 +171,7 @@ def test_build_repo_writes_the_handler_model_when_the_archive_has_a_custom_handl
     version = repo / "reqs" / "1"
     assert (version / "archive" / "MAR-INF" / "MANIFEST.json").is_file()
     assert (version / "archive" / "reqs_handler.py").read_text() == FEWER_HANDLER
-    assert {p.name for p in version.glob("*.py")} == {"model.py", "ts_worker.py"}
+    assert {p.name for p in version.glob("*.py")} == {"model.py", "ts_worker.py", "ts_engine.py"}
     _build(archive, repo, "--force", "--max-batch-size", "16", "--max-batch-delay-ms", "2")
     config = read_config(repo / "reqs")
     assert (config.max_batch_size, config.dynamic_batching.max_queue_delay_microseconds) == (16, 2000)
@@ -240,3 +240,82 @@ def test_handler_path_flag_serves_an_image_classifier_archive_with_its_handler_w
     assert [t.name for t in read_config(tmp_path / "repo" / "imgc").input] == ["BODY"]
     assert read_config(tmp_path / "repo" / "imgc").parameters["torchserve_handler"].string_value == "image_classifier"
     assert not (tmp_path / "repo" / "imgc_image").exists()
+
+
+def test_build_repo_records_the_handler_models_engine_and_refuses_what_it_cannot_run(made, tmp_path, capsys):
+    repo = tmp_path / "repo"
+
+    def parameters(*flags):
+        _build(made["jsonsum"], repo, "--force", *flags)
+        return {key: value.string_value for key, value in read_config(repo / "jsonsum").parameters.items()}
+
+    assert {k: v for k, v in parameters().items() if k != "torchserve_handler"} == {
+        "archive_dir": "archive", "handler_engine": "openvino", "openvino_precision_hint": "f32",
+        "engine_tolerance": "0.0001"}
+    assert parameters("--precision", "auto")["openvino_precision_hint"] == ""  # OpenVINO's choice for the CPU
+    assert parameters("--engine", "torch")["handler_engine"] == "eager"
+    capsys.readouterr()
+    for flags, message in ((["--engine", "onnxruntime"], "does not run a TorchServe handler's model"),
+                           (["--engine", "torch", "--precision", "bf16"], "needs --engine openvino"),
+                           (["--precision", "int8"], "not one the handler path runs")):
+        assert build_repo.main(["--from-mar", str(made["jsonsum"]), "--output", str(repo), "--force", "--kind",
+                                "cpu", "--trust-model-code", *flags]) != 0
+        assert message in capsys.readouterr().err
+    assert parameters("--engine", "torch")["handler_engine"] == "eager"  # a refused build left the last one
+
+
+def test_engine_takes_the_models_forward_only_once_openvino_matched_it_and_only_for_calls_it_fits():
+    import torch
+
+    from backends import ts_engine
+
+    class Handler:
+        def __init__(self, model):
+            self.model = model
+
+        def handle(self, data, context):
+            return data
+
+    def service(model):
+        return type("Service", (), {"_entry_point": Handler(model).handle})()
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten()).eval()
+    reports = []
+    assert ts_engine.accelerate(service(model), "openvino", "f32", 1e-4, lambda m, w: reports.append((m, w))) == ""
+    batch = torch.randn(2, 3, 8, 8)
+    with torch.inference_mode():
+        eager = model(batch)  # the model's own forward; starts the conversion
+        model.forward.thread.join(120)
+        assert model.forward.state == "ready", reports
+        assert reports and not reports[0][1] and "runs on OpenVINO" in reports[0][0]
+        converted = model(torch.cat([batch, batch]))  # another batch size: the batch dimension is dynamic
+        other = torch.randn(1, 3, 10, 10)
+        assert torch.equal(model(other), model.forward.original(other))  # another image size: its own forward
+    assert torch.allclose(converted, torch.cat([eager, eager]), rtol=0, atol=1e-5)
+    assert model(batch).requires_grad  # gradients asked for (captum's explanations): its own forward
+    assert "no torch model" in ts_engine.accelerate(type("S", (), {"_entry_point": print})(), "openvino", "f32",
+                                                    1e-4, print)
+    assert "training" in ts_engine.accelerate(service(torch.nn.Linear(2, 2)), "openvino", "f32", 1e-4, print)
+    assert "as TorchServe runs it" in ts_engine.accelerate(service(model), "eager", "f32", 1e-4, print)
+
+
+def test_engine_keeps_the_models_own_forward_when_openvino_answers_differently():
+    import torch
+
+    from backends import ts_engine
+
+    class Noisy(torch.nn.Module):  # its answers depend on a random draw: OpenVINO cannot match the first batch
+        def forward(self, x):
+            return x + torch.rand_like(x)
+
+    model, reports = Noisy().eval(), []
+    handler = type("Handler", (), {"handle": lambda self, data, context: data})()
+    handler.model = model
+    ts_engine.accelerate(type("Service", (), {"_entry_point": handler.handle})(), "openvino", "f32", 1e-4,
+                         lambda m, w: reports.append((m, w)))
+    with torch.inference_mode():
+        model(torch.zeros(2, 3))
+        model.forward.thread.join(120)
+    assert model.forward.state == "eager" and reports and reports[0][1], reports
+    assert "stays on eager PyTorch" in reports[0][0]
