@@ -111,7 +111,8 @@ class _Forward:
                 return
             self.request = request
             self.state = "ready"
-            chosen = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+            chosen = compiled.get_property("INFERENCE_PRECISION_HINT")
+            chosen = chosen.get_type_name() if hasattr(chosen, "get_type_name") else str(chosen)
             self.report(f"the handler's model runs on OpenVINO ({chosen}, {threads} threads) from now on: on the "
                         f"first batch {list(example.shape)} its answers were within {error:.2g} of the largest "
                         "output of eager PyTorch's", False)

@@ -5,8 +5,10 @@ in the archive), registered through each server's management API with the seed w
 (batch_size=8, max_batch_delay=10, initial_workers=1); one photo; one load generator (perf.torchserve_bench's: N
 closed-loop clients, one keep-alive connection each). ResNet-152: TorchServe, then serve-repo --torchserve-config
 at its default precision and with --precision auto, each through POST /predictions/NAME and, on the same running
-server, as a tritonclient HTTP infer of NAME_image to tritonserver's own port (c=1 p50, c=8 throughput). ResNet-18:
-c=32 throughput through /predictions and direct.
+server, as a tritonclient HTTP infer of NAME_image to tritonserver's own port (c=1 p50, c=8 throughput); then
+serve-repo --handler-path (the archive's own image_classifier handler in Triton's stub), its model on OpenVINO
+(the default, measured once the stub said OpenVINO took over) and with --engine torch (eager, as TorchServe runs
+it). ResNet-18: c=32 throughput through /predictions and direct.
 
     python -m perf.torchserve_api                                   # 20 s per measurement
     python -m perf.torchserve_api --seconds 3 --skip-torchserve     # a quick look
@@ -14,6 +16,7 @@ c=32 throughput through /predictions and direct.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import tempfile
 import time
@@ -36,6 +39,8 @@ from perf.torchserve_bench import closed_loop, closed_loop_of, cpu, cpu_slug, ve
 REGISTRATION = {"batch_size": 8, "max_batch_delay": 10, "initial_workers": 1}  # the seed walkthrough's
 LEVELS = {"resnet152": (1, 8), "resnet18": (32,)}
 HANDLER_FLAGS = ["--handler-path", "--trust-model-code"]  # the archive's own handler, TorchServe's code
+# What the handler model's stub said about its engine (backends/ts_engine.py), waited for before measuring.
+ENGINE_LINES = ("runs on OpenVINO", "stays on eager PyTorch", "runs on eager PyTorch")
 TARGETS = {"fp32_c8_over_torchserve": (">=", 1.15), "auto_c8_over_torchserve": (">=", 2.3),
            "fp32_c1_p50_over_torchserve": ("<=", 0.6), "api_over_direct_c8": (">=", 0.95),
            "api_minus_direct_c1_p50_ms": ("<=", 1.0), "resnet18_api_over_direct_c32": (">=", 0.9),
@@ -149,10 +154,11 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
             precision = resolved_precision(f"{front.metrics_url}/metrics", name)
             label = " ".join(["serve-repo", *flags])
             print(f"{label}, {name} ({precision}) through /predictions:", file=sys.stderr)
+            engine = None if straight_too else settled(front, name, body, args.start_timeout)
             ours = measure(lambda c: closed_loop(front.inference_url, name, body, c, args.seconds, args.warmup),
                            name)
             if not straight_too:  # the handler path: no NAME_image to go to
-                results[name] = {"ours": {"registered": registered, **ours}}
+                results[name] = {"ours": {"registered": registered, "engine": engine, **ours}}
                 _call("DELETE", f"{front.management_url}/models/{name}")
                 continue
             print(f"{label}, {name} direct to {name}_image:", file=sys.stderr)
@@ -170,6 +176,25 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
     finally:
         front.stop()
     return results
+
+
+def settled(front: TorchServeFront, name: str, body: bytes, timeout: float) -> str:
+    """The handler path's engine line: one prediction starts the model's conversion (OpenVINO takes over from the
+    first batch it matched); measuring starts once the stub said which engine serves, read from Triton's log."""
+    found = re.search(r"log (\S+)\)", front.ready_line)
+    if not found:
+        raise BenchError(f"no tritonserver log in {front.ready_line!r}")
+    closed_loop(front.inference_url, name, body, 1, 0.1, 0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [line for line in Path(found.group(1)).read_text(errors="replace").splitlines()
+                 if name in line and any(text in line for text in ENGINE_LINES)]
+        if lines:
+            said = lines[-1][lines[-1].find(name):]
+            print(f"  {said}", file=sys.stderr)
+            return said
+        time.sleep(0.5)
+    raise BenchError(f"{name}: its stub said nothing about its engine in {timeout:.0f} s")
 
 
 def _ratio(a, b, minus: bool = False):
@@ -192,7 +217,11 @@ def ratios(r152: dict | None, r18: dict | None) -> dict:
             "handler_c8_over_torchserve": _ratio(get("ours_handler", "c8_images_per_s"),
                                                  get("torchserve", "c8_images_per_s")),
             "handler_c1_p50_over_torchserve": _ratio(get("ours_handler", "c1_p50_ms"),
-                                                     get("torchserve", "c1_p50_ms"))}
+                                                     get("torchserve", "c1_p50_ms")),
+            "handler_eager_c8_over_torchserve": _ratio(get("ours_handler_eager", "c8_images_per_s"),
+                                                       get("torchserve", "c8_images_per_s")),
+            "handler_eager_c1_p50_over_torchserve": _ratio(get("ours_handler_eager", "c1_p50_ms"),
+                                                           get("torchserve", "c1_p50_ms"))}
 
 
 def targets(found: dict) -> dict:
@@ -256,9 +285,13 @@ def main(argv: list[str] | None = None) -> int:
                     run_torchserve(Path(tmp) / "torchserve", archives["resnet152"], body, args),
                     "ours_fp32": fp32["resnet152"]["ours"], "direct_fp32": fp32["resnet152"]["direct"],
                     "ours_auto": auto["ours"], "direct_auto": auto["direct"],
-                    # issue 36: the archive's own image_classifier handler in Triton's stub (serve-repo --handler-path)
+                    # issue 36: the archive's own image_classifier handler in Triton's stub (serve-repo --handler-path),
+                    # its model on OpenVINO fp32 (the default) and on eager PyTorch as TorchServe runs it
                     "ours_handler": run_ours(Path(tmp) / "ours-handler", store, HANDLER_FLAGS, ["resnet152"], body,
-                                             args, machine, straight_too=False)["resnet152"]["ours"]}
+                                             args, machine, straight_too=False)["resnet152"]["ours"],
+                    "ours_handler_eager": run_ours(Path(tmp) / "ours-handler-eager", store,
+                                                   [*HANDLER_FLAGS, "--engine", "torch"], ["resnet152"], body, args,
+                                                   machine, straight_too=False)["resnet152"]["ours"]}
             if "resnet18" in models:
                 ours, straight = fp32["resnet18"]["ours"], fp32["resnet18"]["direct"]
                 result["resnet18"] = {"ours_c32_images_per_s": ours.pop("c32_images_per_s"),

@@ -101,6 +101,10 @@ def parser() -> argparse.ArgumentParser:
     ts.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"),
                     help="build-repo --precision for the archives. Default: build-repo's (fp32 on CPU: the "
                          "archive's own answers).")
+    ts.add_argument("--engine", choices=("auto", "torch", "torchscript", "onnxruntime", "openvino"),
+                    help="build-repo --engine for the archives (on the handler path: openvino runs the handler's "
+                         "model on OpenVINO once it matched eager PyTorch on the first batch; torch runs it as "
+                         "TorchServe does). Default: build-repo's (openvino on CPU).")
     ts.add_argument("--handler-path", action="store_true",
                     help="build-repo --handler-path: serve every archive with its own handler (TorchServe's "
                          "handle() per batch), image_classifier ones too, for comparison. Default: off "

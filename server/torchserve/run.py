@@ -103,6 +103,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         log(f"serve-repo: error: {exc}", error=True)
         return 1
     build_options = [*(["--precision", args.precision] if args.precision else []),
+                     *(["--engine", args.engine] if args.engine else []),
                      *(["--trust-model-code"] if args.trust_model_code else []),
                      *(["--handler-path"] if args.handler_path else [])]
     registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
