@@ -53,6 +53,9 @@ class Supervisor:
         self.restarts = 0            # in a row (reset once the server stayed up stable_seconds)
         self.total_restarts = 0
         self.reloads = 0
+        # Models whose dead stubs are being replaced: their new stub may be alive before Triton swapped it in (a
+        # frozenset, rebound whole, for readers in other threads: the TorchServe API's /ping).
+        self.replacing: frozenset[str] = frozenset()
         self._started = time.monotonic()
         self._known: dict[int, tuple[str, str]] = {}   # live stub pid -> (model, instance)
         self._suspects: dict[tuple[str, str], float] = {}  # dead (model, instance) -> when first seen dead
@@ -237,6 +240,13 @@ class Supervisor:
     def reload(self, model: str, why: str, instance: str = "all") -> None:
         """Bring `model` back after a stub died: its instances replaced in place (the model stays loaded and
         its other instances keep serving); if Triton refuses that, unloaded and loaded again."""
+        self.replacing = self.replacing | {model}
+        try:
+            self._reload(model, why, instance)
+        finally:
+            self.replacing = self.replacing - {model}
+
+    def _reload(self, model: str, why: str, instance: str) -> None:
         started = time.monotonic()
         if self.server.rebuilt(model):
             # The served config with the new files would be neither build: load the new one whole.

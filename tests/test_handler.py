@@ -319,3 +319,26 @@ def test_engine_keeps_the_models_own_forward_when_openvino_answers_differently()
         model.forward.thread.join(120)
     assert model.forward.state == "eager" and reports and reports[0][1], reports
     assert "stays on eager PyTorch" in reports[0][0]
+
+
+def test_a_killed_handler_stub_is_replaced_by_the_supervisor_and_answers_again(made, tmp_path):
+    import os
+    import signal
+
+    from perf.serve import ServeRepo
+    from server.procfs import stubs_of
+
+    repo = tmp_path / "repo"
+    _build(made["text"], repo)
+    serve = ServeRepo(repo)
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{serve.ports[0]}")
+        assert _infer(client, "text", b"before") == (b"BEFORE", "text/plain; charset=utf-8")
+        stub = next(s for s in stubs_of(serve.triton_pid) if s.model == "text" and s.alive)
+        mark = len(serve.lines)
+        os.kill(stub.pid, signal.SIGKILL)
+        serve.wait_for("text: ready again", 120, mark)
+        assert _infer(client, "text", b"after") == (b"AFTER", "text/plain; charset=utf-8")
+        assert next(s for s in stubs_of(serve.triton_pid) if s.model == "text" and s.alive).pid != stub.pid
+    finally:
+        serve.stop()

@@ -19,7 +19,8 @@ def test_main_writes_every_key_with_positive_figures_when_run_on_resnet18_only(t
     assert r18["ours"]["registered"] == torchserve_api.REGISTRATION
     assert r18["ours"]["points"]["c32"]["errors"] == 0 and r18["direct"]["points"]["c32"]["errors"] == 0
     assert r18["direct"]["same_top1_as_api"] is True
-    assert set(result["ratios"]) == set(result["targets"]) == set(torchserve_api.TARGETS)
+    assert set(result["targets"]) == set(torchserve_api.TARGETS) <= set(result["ratios"])  # and eager's, no target
+    assert {"handler_eager_c8_over_torchserve", "handler_eager_c1_p50_over_torchserve"} <= set(result["ratios"])
     assert result["ratios"]["resnet18_api_over_direct_c32"] > 0
     assert result["targets"]["resnet18_api_over_direct_c32"]["met"] in (True, False)
     assert result["targets"]["fp32_c8_over_torchserve"] == {"target": ">= 1.15", "value": None, "met": None}

@@ -126,3 +126,75 @@ def test_resnet_152_batch_example_answers_as_torchserve_worker_with_eager_and_wi
         got = [json.loads(payload) for payload, _ in answers]
         assert [list(g) for g in got] == [list(e) for e in expected]  # the same five labels, in the same order
         assert max(abs(g[k] - e[k]) for g, e in zip(got, expected) for k in e) < 1e-5, (got, expected)
+
+
+SEGMENTER = '''import torch
+
+
+class TinySegmenter(torch.nn.Module):  # torchvision's segmentation models answer {"out": N x K x H x W}
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x):
+        return {"out": self.conv(x)}
+'''
+DETECTOR = '''import torch
+
+
+class TinyDetector(torch.nn.Module):  # torchvision's detection models answer one dict per image
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 8)
+
+    def forward(self, images):
+        rows = []
+        for image in images:
+            out = self.fc(image.mean(dim=(1, 2)))
+            boxes = out[:4].abs().cumsum(0).reshape(1, 4).repeat(2, 1) * 100
+            rows.append({"boxes": boxes, "labels": torch.tensor([1, 2]), "scores": torch.sigmoid(out[4:6].abs() + 1)})
+        return rows
+'''
+
+
+def _builtin_archive(folder: Path, name: str, handler: str, model_code: str, labels: bool) -> Path:
+    (folder / f"{name}.py").write_text(model_code)
+    argv = ["--model-name", name, "--version", "1.0", "--model-file", str(folder / f"{name}.py"),
+            "--serialized-file", str(_weights(folder / f"{name}.py", folder / f"{name}.pth")),
+            "--handler", handler, "--export-path", str(folder)]
+    if labels:
+        argv += ["--extra-files", str(RESNET / "index_to_name.json")]
+    _archiver(*argv)
+    return folder / f"{name}.mar"
+
+
+def _close(got, want) -> bool:
+    """The same nested lists and dicts (keys, lengths, strings) with numbers within 1e-5."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and list(got) == list(want) and all(_close(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(_close(g, w) for g, w in zip(got, want))
+    if isinstance(want, (int, float)) and not isinstance(want, bool):
+        return isinstance(got, (int, float)) and abs(got - want) <= 1e-5
+    return got == want
+
+
+def test_builtin_segmenter_and_detector_handlers_answer_as_torchserve_worker(tmp_path, start_server):
+    """TorchServe's image_segmenter and object_detector handlers, their models answering dicts (OpenVINO does not
+    take those: their own forward serves, as the log says)."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    archives = {"segmenter": _builtin_archive(folder, "segmenter", "image_segmenter", SEGMENTER, False),
+                "detector": _builtin_archive(folder, "detector", "object_detector", DETECTOR, True)}
+    repo = tmp_path / "repo"
+    for archive in archives.values():
+        assert build_repo.main(["--from-mar", str(archive), "--output", str(repo), "--kind", "cpu",
+                                "--trust-model-code"]) == 0
+    server = start_server(repo, log_file=tmp_path / "triton.log")
+    photos = PHOTOS[:2]
+    for name, archive in archives.items():
+        served = [json.loads(_send(server.http_url, name, [path.read_bytes()])[0][0]) for path in photos]
+        expected = [json.loads(base64.b64decode(ref["payload"])) for ref in _reference(archive, photos)]
+        assert _close(served, expected), name
+    assert [sorted(key for key in box if key != "score") for box in served[0]] == [["goldfish"], ["great_white_shark"]]
+    assert ON_OPENVINO not in (tmp_path / "triton.log").read_text()

@@ -110,8 +110,14 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
                         config.default_workers, config.job_queue_size, log, config.response_timeout)
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
+    supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
+                            max_unfreed=args.max_unfreed_instances)
+
     def instances() -> dict[str, int]:
-        return dict(Counter(stub.model for stub in server.stubs() if stub.alive))
+        """Live stubs per model; none for a model whose dead stub is being replaced: its new stub lives before
+        Triton swapped it in, and requests meet the dead one until then."""
+        live = Counter(stub.model for stub in server.stubs() if stub.alive)
+        return {**live, **{model: 0 for model in supervisor.replacing}}
     inference = Inference(registry, server.http_url, config.max_request_size, config.job_queue_size, instances, log)
     apps = {"inference": tokens.guard(inference.app(), "inference"),
             "management": tokens.guard(Management(registry, config.enable_model_api, server).app(), "management"),
@@ -128,8 +134,6 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
         + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on 127.0.0.1:"
         f"{server.ports['http']}/{server.ports['grpc']}, log {server.log_file})")
-    supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
-                            max_unfreed=args.max_unfreed_instances)
     status = supervisor.run(stop)
     front.stop()
     server.stop(keep_log=bool(status))
