@@ -34,6 +34,14 @@ def imagenet_names() -> list[str]:
     return list(torchvision.models.ResNet18_Weights.DEFAULT.meta["categories"])
 
 
+ARCHIVER = Path(sys.executable).with_name("torch-model-archiver")  # TorchServe's, installed beside this Python
+
+
+def run_archiver(*argv: str, timeout: float = 120) -> None:
+    """torch-model-archiver with `argv`, as a TorchServe user runs it (its output shown only where it fails)."""
+    subprocess.run([str(ARCHIVER), *argv], check=True, capture_output=True, timeout=timeout)
+
+
 def make_archive(folder: Path, name: str, model_code: str, state: dict, labels, config: str | None = None,
                  handler: str = "image_classifier") -> Path:
     """A .mar made by TorchServe's torch-model-archiver, as a TorchServe user has one."""
@@ -51,8 +59,7 @@ def make_archive(folder: Path, name: str, model_code: str, state: dict, labels, 
     if config is not None:
         (src / "model-config.yaml").write_text(config)
         argv += ["--config-file", str(src / "model-config.yaml")]
-    archiver = Path(sys.executable).with_name("torch-model-archiver")
-    subprocess.run([str(archiver), *argv], check=True, capture_output=True, timeout=120)
+    run_archiver(*argv)
     return folder / f"{name}.mar"
 
 

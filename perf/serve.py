@@ -77,6 +77,14 @@ class ServeRepo:
         return int(found.group(1)), int(found.group(2))
 
     @property
+    def triton_log(self) -> Path:
+        """tritonserver's log file, as the TorchServe API's ready line names it."""
+        found = re.search(r"log (\S+)\)", self.ready_line)
+        if not found:
+            raise AssertionError(f"no tritonserver log in {self.ready_line!r}")
+        return Path(found.group(1))
+
+    @property
     def overload_limits(self) -> dict:
         """The proxy's overload bounds as serve-repo's ready line names them: {"max_in_flight": N, "queue_ms": MS}."""
         found = re.search(r"max-in-flight (\d+)  queue-ms (\d+)", self.ready_line)

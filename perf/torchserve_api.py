@@ -16,7 +16,6 @@ it). ResNet-18: c=32 throughput through /predictions and direct.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import tempfile
 import time
@@ -181,13 +180,11 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
 def settled(front: TorchServeFront, name: str, body: bytes, timeout: float) -> str:
     """The handler path's engine line: one prediction starts the model's conversion (OpenVINO takes over from the
     first batch it matched); measuring starts once the stub said which engine serves, read from Triton's log."""
-    found = re.search(r"log (\S+)\)", front.ready_line)
-    if not found:
-        raise BenchError(f"no tritonserver log in {front.ready_line!r}")
+    log = front.triton_log
     closed_loop(front.inference_url, name, body, 1, 0.1, 0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        lines = [line for line in Path(found.group(1)).read_text(errors="replace").splitlines()
+        lines = [line for line in log.read_text(errors="replace").splitlines()
                  if name in line and any(text in line for text in ENGINE_LINES)]
         if lines:
             said = lines[-1][lines[-1].find(name):]

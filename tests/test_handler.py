@@ -9,8 +9,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 
 from builder import cli as build_repo
 from common.modelconfig import read_config
+from examples.migrate_torchserve import run_archiver
 from server.errors import ServerError
 
 # JSON in, JSON out: the sum of "values" times the archive's scale.json, and the batch handle() saw.
@@ -91,8 +90,7 @@ def _archive(folder: Path, name: str, handler_code: str, extra: dict[str, str] |
     if requirements is not None:
         (src / "requirements.txt").write_text(requirements)
         argv += ["--requirements-file", str(src / "requirements.txt")]
-    archiver = Path(sys.executable).with_name("torch-model-archiver")
-    subprocess.run([str(archiver), *argv], check=True, capture_output=True, timeout=120)
+    run_archiver(*argv)
     return folder / f"{name}.mar"
 
 

@@ -5,8 +5,6 @@ Runs where a CUDA GPU is (perf.gpu_checks runs it in the GPU round); skipped els
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,7 +39,9 @@ class Device(BaseHandler):
 
 def test_handler_runs_on_the_instance_gpu_when_the_instance_kind_is_gpu(tmp_path, start_server):
     pytest.importorskip("ts", reason="torchserve (its ts package) is not installed here: the GPU round carries it")
-    if not Path(sys.executable).with_name("torch-model-archiver").exists():
+    from examples.migrate_torchserve import ARCHIVER
+
+    if not ARCHIVER.exists():
         pytest.skip("torch-model-archiver is not installed here: the GPU round carries it")
     from test_handler import _archive
 

@@ -22,17 +22,13 @@ import tritonclient.http as httpclient
 
 from builder import cli as build_repo
 from common.model_code import import_model_class
+from examples.migrate_torchserve import run_archiver
 
 EXAMPLES = Path(__file__).resolve().parent / "torchserve_examples"
 MNIST, RESNET = EXAMPLES / "mnist", EXAMPLES / "resnet_152_batch"
 DIGITS = sorted((MNIST / "test_data").glob("*.png"))
 PHOTOS = sorted((RESNET / "images").glob("*.jpg"))
 ON_OPENVINO = "the handler's model runs on OpenVINO"
-
-
-def _archiver(*argv: str) -> None:
-    archiver = Path(sys.executable).with_name("torch-model-archiver")
-    subprocess.run([str(archiver), *argv], check=True, capture_output=True, timeout=300)
 
 
 def _weights(model_file: Path, path: Path) -> Path:
@@ -45,13 +41,13 @@ def _weights(model_file: Path, path: Path) -> Path:
 def archives(tmp_path_factory) -> dict[str, Path]:
     """mnist.mar and resnet-152-batch.mar, made as the examples' READMEs make them."""
     folder = tmp_path_factory.mktemp("ts-examples")
-    _archiver("--model-name", "mnist", "--version", "1.0", "--model-file", str(MNIST / "mnist.py"),
+    run_archiver("--model-name", "mnist", "--version", "1.0", "--model-file", str(MNIST / "mnist.py"),
               "--serialized-file", str(_weights(MNIST / "mnist.py", folder / "mnist_cnn.pt")),
               "--handler", str(MNIST / "mnist_handler.py"), "--export-path", str(folder))
-    _archiver("--model-name", "resnet-152-batch", "--version", "1.0", "--model-file", str(RESNET / "model.py"),
+    run_archiver("--model-name", "resnet-152-batch", "--version", "1.0", "--model-file", str(RESNET / "model.py"),
               "--serialized-file", str(_weights(RESNET / "model.py", folder / "resnet152.pth")),
               "--handler", "image_classifier", "--extra-files", str(RESNET / "index_to_name.json"),
-              "--export-path", str(folder))
+              "--export-path", str(folder), timeout=300)
     return {"mnist": folder / "mnist.mar", "resnet-152-batch": folder / "resnet-152-batch.mar"}
 
 
@@ -164,7 +160,7 @@ def _builtin_archive(folder: Path, name: str, handler: str, model_code: str, lab
             "--handler", handler, "--export-path", str(folder)]
     if labels:
         argv += ["--extra-files", str(RESNET / "index_to_name.json")]
-    _archiver(*argv)
+    run_archiver(*argv)
     return folder / f"{name}.mar"
 
 
