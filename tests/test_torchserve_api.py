@@ -22,6 +22,7 @@ from PIL import Image
 
 from perf import torchserve
 from perf.serve import TorchServeFront
+from test_handler import BATCHING, JSON_HANDLER, _archive
 from support import ROOT
 
 PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
@@ -90,6 +91,13 @@ def reference(store, tmp_path_factory):
                    "min over max": call("PUT", f"{real.management_url}/models/{NAME}?min_worker=3&max_worker=2"),
                    "scale": call("PUT", f"{real.management_url}/models/{NAME}?min_worker=1&max_worker=1"
                                         "&synchronous=true")}
+        # A custom handler's archive (registered last: the list above shows the first model only).
+        _archive(store, "jsonsum", JSON_HANDLER, {"scale.json": '{"scale": 3}'}, BATCHING)
+        status, body = call("POST", f"{real.management_url}/models?url=jsonsum.mar&initial_workers=1"
+                                    "&synchronous=true")
+        assert status == 200, body
+        for key, sent in (("jsonsum", b'{"values": [1, 2, 3.5]}'), ("jsonsum fails", b'{"values": [1], "fail": true}')):
+            answers[key] = call("POST", f"{base}/predictions/jsonsum", sent, {"Content-Type": "application/json"})
     with torchserve.started(folder / "off", store / f"{NAME}.mar", workers=1) as real:  # the model API off
         answers["model api off"] = call("POST", f"{real.management_url}/models?url={NAME}.mar")
     return answers
@@ -197,21 +205,21 @@ def test_unsupported_config_key_is_named_once_and_not_fatal_when_started(front):
         "config.properties: foo_bar is not supported by serve-repo; ignored"]
 
 
-def test_a_custom_handler_archive_is_served_by_its_own_handler_when_registered(front, store):
-    from test_handler import BATCHING, JSON_HANDLER, _archive
-
-    _archive(store, "jsonsum", JSON_HANDLER, {"scale.json": '{"scale": 3}'}, BATCHING)
+def test_a_custom_handler_archive_is_served_by_its_own_handler_when_registered(front, reference):
+    # The archive: made in the store by `reference`, which registered it with TorchServe 0.12 too.
     status, body = call("POST", f"{front.management_url}/models?url=jsonsum.mar&initial_workers=1")
     assert status == 200, body
     url = f"{front.inference_url}/predictions/jsonsum"
     status, body = call("POST", url, b'{"values": [1, 2, 3.5]}', {"Content-Type": "application/json"})
     assert status == 200 and json.loads(body) == {"sum": 19.5, "batch": 1}
+    assert (status, body) == reference["jsonsum"]  # TorchServe's bytes: its worker's json.dumps(indent=2)
     with ThreadPoolExecutor(8) as pool:  # one handle() call per batch Triton formed
         answers = list(pool.map(lambda i: call("POST", url, json.dumps({"values": [i]}).encode(),
                                                 {"Content-Type": "application/json"}), range(8)))
     assert [json.loads(b)["sum"] for _, b in answers] == [3 * i for i in range(8)]
     failed = call("POST", url, b'{"values": [1], "fail": true}', {"Content-Type": "application/json"})
     assert failed[0] == 503 and json.loads(failed[1])["message"] == "Prediction failed"
+    assert failed == reference["jsonsum fails"]
     assert call("GET", f"{front.inference_url}/ping")[0] == 200
 
 
