@@ -21,7 +21,10 @@ ARCHIVE_DIR = "archive"
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        gpu = int(args.get("model_instance_device_id", 0)) if args.get("model_instance_kind") == "GPU" else None
+        # A GPU instance's device; a CPU instance made to run on a GPU (config parameter cuda_device) names it.
+        on_host = (config.get("parameters", {}).get("cuda_device") or {}).get("string_value", "")
+        gpu = int(args.get("model_instance_device_id", 0)) if args.get("model_instance_kind") == "GPU" else \
+            (int(on_host) if on_host else None)
         if gpu is not None:
             import torch
 

@@ -5,6 +5,7 @@ build-repo copies this file beside each model.py; it must stay self-contained.
 from __future__ import annotations
 
 import faulthandler
+import json
 import os
 import threading
 import time
@@ -36,13 +37,24 @@ def honor_faulthandler() -> None:
         faulthandler.enable()
 
 
+# Where tritonserver runs with CUDA_VISIBLE_DEVICES="" (its core then makes no CUDA pools or copies), a CPU instance
+# with `cuda_device` sees the GPUs this variable names (a way of serving perf.gpu.served.instance_io tries).
+STUB_VISIBLE_DEVICES = "CLASSIFIER_STUB_CUDA_VISIBLE_DEVICES"
+
+
 def instance_device(args: dict) -> torch.device:
-    """The device of this instance (model_instance_kind / _device_id), never a bare "cuda"."""
-    if args.get("model_instance_kind") != "GPU":
+    """The device of this instance (model_instance_kind / _device_id), never a bare "cuda". A KIND_CPU
+    instance whose config names `cuda_device` N runs on cuda:N: Triton hands it CPU tensors as to any CPU
+    instance, and the model moves them to the GPU itself (a way of serving perf.gpu.served.instance_io tries)."""
+    on_host = model_parameters(json.loads(args.get("model_config") or "{}")).get("cuda_device", "")
+    if args.get("model_instance_kind") != "GPU" and not on_host:
         return torch.device("cpu")
+    if on_host and STUB_VISIBLE_DEVICES in os.environ:  # tritonserver ran with the GPU hidden from it (CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ[STUB_VISIBLE_DEVICES]  # not yet used in this stub)
     if not torch.cuda.is_available():
         raise RuntimeError("instance group asks for a GPU but torch sees no CUDA device")
-    device = torch.device("cuda", int(args.get("model_instance_device_id", 0)))
+    index = int(args.get("model_instance_device_id", 0)) if args.get("model_instance_kind") == "GPU" else int(on_host)
+    device = torch.device("cuda", index)
     # Without this every instance also creates a context on GPU 0, and DLPack refuses tensors
     # that live on a device other than the current one.
     torch.cuda.set_device(device)

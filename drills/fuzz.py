@@ -26,7 +26,7 @@ import numpy as np
 from common.cli import OneLineParser, write_result
 
 ECHO = "echo"
-ECHO_MODEL = Path(__file__).resolve().parent.parent / "perf" / "echo_model.py"
+ECHO_MODEL = Path(__file__).resolve().parent.parent / "perf" / "gpu" / "echo_model.py"
 WIDTH = 4
 IMAGE = "IMAGE"
 DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32",
@@ -37,7 +37,7 @@ JSON_DIMS = DIMS + [1.5, 4.0, 1e3, "4", None, True, [4], -0.0]
 
 
 def write_echo(repository: Path, max_batch: int = 8) -> None:
-    """perf/echo_model.py as ECHO: X FP32 [WIDTH] -> Y FP32 [WIDTH] (its input back), batched, one CPU instance."""
+    """perf/gpu/echo_model.py as ECHO: X FP32 [WIDTH] -> Y FP32 [WIDTH] (its input back), batched, one CPU instance."""
     from tritonclient.grpc import model_config_pb2 as mc
     from google.protobuf import text_format
 

@@ -8,6 +8,7 @@ model run in-process the way TorchServe's image_classifier handler runs it.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,10 @@ def imagenet_names() -> list[str]:
     return list(torchvision.models.ResNet18_Weights.DEFAULT.meta["categories"])
 
 
-ARCHIVER = Path(sys.executable).with_name("torch-model-archiver")  # TorchServe's, installed beside this Python
+# TorchServe's, installed beside this Python, else on PATH (wheels unpacked into a folder of their own)
+ARCHIVER = Path(sys.executable).with_name("torch-model-archiver")
+if not ARCHIVER.exists() and shutil.which("torch-model-archiver"):
+    ARCHIVER = Path(shutil.which("torch-model-archiver"))
 
 
 def run_archiver(*argv: str, timeout: float = 120) -> None:

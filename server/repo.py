@@ -93,10 +93,11 @@ def in_flight(repository: Path, least: int = 8) -> int:
 def uses_gpu(repository: Path) -> bool:
     for config_path in Path(repository).glob("*/config.pbtxt"):
         try:  # a config Triton cannot parse is reported by Triton itself
-            groups = read_config(config_path).instance_group
+            config = read_config(config_path)
         except Exception:
             continue
-        if any(group.kind == group.KIND_GPU for group in groups):
+        # KIND_GPU instances, or CPU instances whose model runs on a GPU (config parameter cuda_device)
+        if any(group.kind == group.KIND_GPU for group in config.instance_group) or "cuda_device" in config.parameters:
             return True
     return False
 
@@ -130,4 +131,5 @@ def gpu_flags(repository: Path, passed: list[str], gpus: int | None = None) -> l
         return []
     ours = flag_names(passed)
     pools = [f"--cuda-memory-pool-byte-size={i}:{POOL_BYTES}" for i in range(1, gpus or gpu_count())]
-    return [flag for flag in (*GPU_FLAGS, *pools) if flag.split("=")[0] not in ours]
+    # By name: a python backend setting passed through (--backend-config=python,KEY=...) replaces ours for KEY.
+    return [flag for flag in (*GPU_FLAGS, *pools) if not flag_names([flag]) & ours]

@@ -21,9 +21,10 @@ from tritonclient.utils import InferenceServerException
 from common.messages import first_line
 from common.procs import free_port, port_free
 from server.errors import ServerError
+from server.libcuda import stub_library_path
 from server.log import TritonLog
 from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, remove_stale, stubs_of, with_parent_death
-from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models
+from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models, uses_gpu
 from server.wheel import make_backend_dir, pytriton_root
 
 __all__ = ["ServerError", "TritonServer", "release_thread_hub"]
@@ -45,7 +46,8 @@ class TritonServer:
     can remove it (remove_stale)."""
 
     def __init__(self, repository, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1",
-                 model_control="none", log_file=None, extra_args=(), drain_seconds: float = 5, env=None):
+                 model_control="none", log_file=None, extra_args=(), drain_seconds: float = 5, env=None,
+                 libcuda_link: bool = True):
         self.repository = Path(repository).resolve()
         self.host = host
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
@@ -53,6 +55,8 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.drain_seconds = drain_seconds
         self.env = dict(env or {})  # added to our environment for tritonserver (its stubs inherit it)
+        # GPU models: where the driver has only libcuda.so.1, a libcuda.so link first on the stubs' library path.
+        self.libcuda_link = libcuda_link
         self._workdir: Path | None = None  # made by the first start(): backend symlinks and, by default, the log
         self._own_log = log_file is None
         self.log = TritonLog(Path(log_file) if log_file else None)
@@ -139,6 +143,10 @@ class TritonServer:
         # The stub embeds the system libpython, which finds its prefix through the first `python3`
         # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        if self.libcuda_link and uses_gpu(self.repository):
+            library_path = stub_library_path(self._workdir / "libcuda", env.get("LD_LIBRARY_PATH", ""))
+            if library_path is not None:
+                env["LD_LIBRARY_PATH"] = library_path
         self.log.clear()
         self.returncode = None
         compile_bytecode(self.repository)  # for the stub's interpreter, before Triton sees the files

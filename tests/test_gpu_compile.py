@@ -1,10 +1,10 @@
-"""perf.gpu_compile, the in-process script for a GPU session, smoke-run on CPU: folding keeps the logits."""
+"""perf.gpu.compile, the in-process script for a GPU session, smoke-run on CPU: folding keeps the logits."""
 import json
 
 import pytest
 import torch
 
-from perf import gpu_compile
+from perf.gpu import compile as gpu_compile
 
 
 def test_gpu_compile_measures_eager_and_folded_and_keeps_the_logits_when_run_on_cpu(tmp_path):

@@ -117,6 +117,10 @@ def test_serve_repo_gives_every_gpu_a_memory_pool_when_there_are_several(tmp_pat
     assert pools == [f"--cuda-memory-pool-byte-size={i}:536870912" for i in range(3)]
     assert not [f for f in gpu_flags(tmp_path / "repo", ["--cuda-memory-pool-byte-size=1:1"], gpus=3)
                 if f.startswith("--cuda-memory-pool")]  # the user's own pool flags replace ours
+    small = "--backend-config=python,shm-default-byte-size=1048576"
+    kept = gpu_flags(tmp_path / "repo", [small], gpus=1)  # a backend setting replaces ours for its key alone
+    assert not [f for f in kept if "shm-default-byte-size" in f]
+    assert "--backend-config=python,shm-growth-byte-size=67108864" in kept
 
 
 @pytest.mark.parametrize("engine", sorted(precisions.RUNS))
@@ -139,3 +143,34 @@ def test_precision_rule_agrees_between_build_and_load_when_any_engine_kind_and_p
         built = str(exc)
     assert built == expected
     assert (expected is None) == (precision in precisions.RUNS[engine][kind])
+
+
+def test_stub_library_path_puts_a_libcuda_link_first_only_where_the_driver_lacks_the_unversioned_name(
+        tmp_path, monkeypatch):
+    """python_backend r24.10 dlopens "libcuda.so" unchecked for a GPU output tensor; serve-repo gives the stubs a
+    link to the driver's libcuda.so.1 where only that name exists (server/libcuda.py)."""
+    from server import libcuda
+
+    driver = tmp_path / "libcuda.so.580"
+    driver.write_bytes(b"")
+
+    def link(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "libcuda.so").symlink_to(driver)
+        return folder
+
+    monkeypatch.setattr(libcuda, "_loads", lambda name: False)  # a driver with libcuda.so.1 only
+    monkeypatch.setattr(libcuda, "unversioned_link_dir", link)
+    path = libcuda.stub_library_path(tmp_path / "link", "/usr/local/nvidia/lib64")
+    assert path == f"{tmp_path / 'link'}:/usr/local/nvidia/lib64"
+    assert (tmp_path / "link" / "libcuda.so").resolve() == driver
+    monkeypatch.setattr(libcuda, "_loads", lambda name: True)  # the driver has the unversioned name
+    assert libcuda.stub_library_path(tmp_path / "other", "") is None and not (tmp_path / "other").exists()
+
+
+def test_stub_library_path_is_none_when_there_is_no_driver(tmp_path):
+    from server import libcuda
+
+    if libcuda._loads("libcuda.so.1"):
+        pytest.skip("a CUDA driver is here: the no-driver case is CI's")
+    assert libcuda.stub_library_path(tmp_path / "link", "") is None

@@ -1,6 +1,6 @@
 """A TorchServe handler on a GPU instance: its device is the instance's GPU, as TorchServe's gpu_id makes it.
 
-Runs where a CUDA GPU is (perf.gpu_checks runs it in the GPU round); skipped elsewhere, saying why.
+Runs where a CUDA GPU is (perf.gpu.checks runs it in the GPU round); skipped elsewhere, saying why.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 # Install carried wheels into a folder without a package registry (the bare GPU machine): every *.whl in
 # WHEEL_DIR, no dependencies resolved, no site-packages touched. Then put TARGET first on PYTHONPATH.
 # Usage: tools/unpack_wheels.sh WHEEL_DIR TARGET      (PYTHON=python3.12 to pick the interpreter)
-# e.g.   tools/unpack_wheels.sh .whl /tmp/site && PYTHONPATH=/tmp/site:$PWD python3 -m perf.gpu_diagnose $OUT/diagnose
+# e.g.   tools/unpack_wheels.sh .whl /tmp/site && PYTHONPATH=/tmp/site:$PWD python3 -m perf.gpu.round --out $OUT
 set -euo pipefail
 if [ $# -ne 2 ]; then
   echo "usage: tools/unpack_wheels.sh WHEEL_DIR TARGET" >&2

@@ -1,6 +1,6 @@
 """A python-backend model that answers each request with its input's first values (no compute at all).
 
-perf.gpu_served copies this file as model.py; it runs only inside Triton's stub, where
+perf.gpu.served copies this file as model.py; it runs only inside Triton's stub, where
 triton_python_backend_utils exists. Two uses: the python backend's own ceiling (what a served model
 cannot beat whatever it computes), and a GPU output tensor in isolation: with the config parameter
 output_device = "gpu" it answers with a torch CUDA tensor handed over by DLPack, as NAME_preprocess

@@ -22,7 +22,7 @@ from perf.stats import STAGES, counters
 
 
 def parser():
-    p = OneLineParser(prog="python -m perf.gpu_bench", description=__doc__)
+    p = OneLineParser(prog="python -m perf.gpu.bench", description=__doc__)
     p.add_argument("--model", default="resnet152", help="torchvision model. Default: resnet152.")
     p.add_argument("--plan", nargs="+", default=["fp16:1", "fp32:1", "jpeg", "unbatched", "bf16:1", "fp16:0", "fp32:0"],
                    help="what to measure, in order: PRECISION:GRAPHS (tensor path, 1 = CUDA graphs), "
@@ -45,6 +45,11 @@ def parser():
                         "(2 on gpu). Instances x precision: run once per count, e.g. 1, 2, 4.")
     p.add_argument("--image-model", choices=("auto", "ensemble", "fused"), default="auto",
                    help="what NAME_image is (build-repo --image-model). Default: auto (fused on gpu).")
+    p.add_argument("--io-variant", default=None,
+                   help="a way of serving from perf.gpu.served.IO_VARIANTS (the repository as built, then changed). "
+                        "Default: none, the repository as build-repo writes it.")
+    p.add_argument("--timeout-s", type=float, default=600,
+                   help="the server's start (weights, CUDA graphs per bucket). Default: 600.")
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                    help="cpu: a smoke run of this script without a GPU (plan items fp32:0 only). Default: gpu.")
     p.add_argument("--output", type=Path, default=Path("perf/results/gpu-resnet152.json"),
@@ -84,13 +89,18 @@ def _client_process(url, model, kind, payload, threads, start, end, warmup, queu
             tensor.set_shared_memory(name, image.nbytes)
         while time.monotonic() < start:
             time.sleep(0.001)
-        local = []
+        local, checked = [], 0
         while True:
             sent = time.monotonic()
             if sent >= end:
                 break
             try:
-                client.infer(model, [tensor])
+                answer = client.infer(model, [tensor])
+                if checked < 3:  # the answer itself, not only its arrival: a few per client
+                    logits = answer.as_numpy("LOGITS")  # raises where the response carries no data
+                    if logits is None or not np.isfinite(logits).all():
+                        raise ValueError(f"LOGITS {None if logits is None else logits.shape} not finite")
+                    checked += 1
                 ok = True
             except Exception as exc:
                 ok = str(exc)[:300]
@@ -125,7 +135,7 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
     queue = ctx.Queue()
     procs = min(processes, concurrency)
     shares = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
-    start = time.monotonic() + 5.0  # spawn + imports + shared memory registration
+    start = time.monotonic() + 2.5 + 0.3 * procs  # spawn + imports + shared memory registration
     end = start + warmup + seconds
     workers = [ctx.Process(target=_client_process, args=(url, model, kind, payload, n, start, end, warmup, queue))
                for n in shares]
@@ -262,8 +272,11 @@ def _jpeg(client, server, base, best, args, result):
     tensor_best = result.get("served_images_per_s")
     gpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "gpu"), default=0)
     cpu_best = max((p["images_per_s"] for p in result["jpeg"] if p["decode"] == "cpu"), default=0)
+    result["jpeg_images_per_s"] = max(gpu_best, cpu_best)  # the image-bytes path at its best decode
+    result["jpeg_decode"] = "gpu" if gpu_best >= cpu_best else "cpu"
     if tensor_best:
         result["jpeg_gpu_over_tensor"] = gpu_best / tensor_best
+        result["jpeg_over_tensor"] = result["jpeg_images_per_s"] / tensor_best
     if cpu_best:
         result["jpeg_gpu_over_cpu_decode"] = gpu_best / cpu_best
 
@@ -282,7 +295,7 @@ def main(argv=None) -> int:
                         "--image-model", args.image_model, "--precision", first[0], "--input-dtype", args.input_dtype,
                         *(["--instances", str(args.instances)] if args.instances else []), "--cuda-graphs" if first[1] == "1" else "--no-cuda-graphs"]):
         return 1
-    result = {"command": " ".join(["python -m perf.gpu_bench", *(argv if argv is not None else sys.argv[1:])]),
+    result = {"command": " ".join(["python -m perf.gpu.bench", *(argv if argv is not None else sys.argv[1:])]),
               "device": torch.cuda.get_device_name(0) if args.kind == "gpu" else "cpu", "torch": torch.__version__, "model": args.model,
               "client": f"{args.processes} processes, gRPC, {args.images_per_request} image(s) per tensor request, "
                         f"{args.input_dtype} tensors via system shared memory",
@@ -293,8 +306,13 @@ def main(argv=None) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=2) + "\n")
 
-    server = TritonServer.local(repo, model_control="explicit")
-    server.start()
+    from perf.gpu.served import apply_io_variant, io_variant_env
+
+    flags = apply_io_variant(repo, args.io_variant) if args.io_variant else []
+    result["io_variant"] = args.io_variant
+    server = TritonServer.local(repo, model_control="explicit", log_file=args.output.with_suffix(".tritonserver.log"),
+                                extra_args=flags, env=io_variant_env(args.io_variant or ""))
+    server.start(timeout=args.timeout_s)
     try:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         base = client.get_model_config(args.model, as_json=True)["config"]

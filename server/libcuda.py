@@ -45,14 +45,41 @@ def report() -> dict:
             "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", "")}
 
 
-def unversioned_link_dir() -> Path:
-    """A new folder holding `libcuda.so -> <the libcuda.so.1 this process loads>`, for LD_LIBRARY_PATH.
+def unversioned_link_dir(folder: Path | None = None) -> Path:
+    """`folder` (default: a new temporary one) holding `libcuda.so -> <the libcuda.so.1 this process loads>`,
+    for LD_LIBRARY_PATH.
 
     Raises OSError when libcuda.so.1 cannot be loaded here (no driver)."""
     ctypes.CDLL("libcuda.so.1")
     target = next((path for path in _mapped() if Path(path).name.startswith("libcuda.so")), None)
     if target is None:
         raise OSError("libcuda.so.1 loaded but /proc/self/maps does not name its file")
-    folder = Path(tempfile.mkdtemp(prefix="libcuda-link-"))
-    (folder / "libcuda.so").symlink_to(target)
+    folder = Path(folder) if folder else Path(tempfile.mkdtemp(prefix="libcuda-link-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / "libcuda.so"
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
     return folder
+
+
+def _loads(name: str) -> bool:
+    try:
+        ctypes.CDLL(name)
+        return True
+    except OSError:
+        return False
+
+
+def stub_library_path(folder: Path, library_path: str) -> str | None:
+    """LD_LIBRARY_PATH for tritonserver's python stubs where the driver lacks the unversioned libcuda.so, with
+    `folder` (made here, holding that link) first; None where libcuda.so loads already or there is no driver.
+
+    python_backend r24.10 dlopens "libcuda.so" for the first GPU output tensor and does not check that it
+    loaded (src/pb_utils.cc): a driver install with only libcuda.so.1 would crash the stub there."""
+    if _loads("libcuda.so"):
+        return None
+    try:
+        unversioned_link_dir(folder)
+    except OSError:
+        return None  # no driver: nothing on the GPU to hand over
+    return os.pathsep.join(filter(None, [str(folder), library_path]))

@@ -1,7 +1,7 @@
-"""One step of perf.gpu_diagnose, run in this process: python -m perf.gpu_steps STEP OUTDIR [--timeout-s S].
+"""One step of the GPU round, run in this process: python -m perf.gpu.steps STEP OUTDIR [--timeout-s S] [--dry-run].
 
-perf.gpu_diagnose starts this once per step, so that a step which crashes (a fault in CUDA) or hangs
-ends only itself. The outcome goes to OUTDIR/STEP.result.json for perf.gpu_diagnose to collect.
+perf.gpu.round starts this once per step, so that a step which crashes (a fault in CUDA) or hangs
+ends only itself. The outcome goes to OUTDIR/STEP.result.json for perf.gpu.round to collect.
 """
 from __future__ import annotations
 
@@ -19,16 +19,21 @@ from pathlib import Path
 from common.cli import OneLineParser
 from common import messages
 
-ROOT = Path(__file__).resolve().parent.parent
-# name -> (module, function, needs CUDA), in the order perf.gpu_diagnose runs them: what the next GPU
-# session must learn first (the stub crash) comes first; the python backend's ceiling is already known.
+ROOT = Path(__file__).resolve().parents[2]
+# name -> (module, function, needs CUDA), in the order perf.gpu.round runs them: what the GPU session must
+# learn first (the stub crash) comes first, the bench (alone on the GPU) after the diagnosis, then the extras.
+# Without CUDA a step that needs it is skipped, unless the round is a dry run: then the CPU stands in.
 STEPS = {
-    "environment": ("perf.gpu_checks", "environment", False),
-    "gpu_output": ("perf.gpu_served", "gpu_output", True),
-    "image_path": ("perf.gpu_served", "image_path", True),
-    "parity": ("perf.gpu_checks", "parity", True),
-    "gpu_tests": ("perf.gpu_checks", "gpu_tests", True),
-    "python_backend_probe": ("perf.gpu_served", "python_backend_probe", True),
+    "environment": ("perf.gpu.checks", "environment", False),
+    "gpu_tests": ("perf.gpu.checks", "gpu_tests", True),
+    "instance_io": ("perf.gpu.served", "instance_io", True),
+    "gpu_output": ("perf.gpu.served", "gpu_output", True),
+    "image_path": ("perf.gpu.served", "image_path", True),
+    "parity": ("perf.gpu.checks", "parity", True),
+    "bench": ("perf.gpu.bench_steps", "round_step", True),
+    "instances": ("perf.gpu.bench_steps", "instances_step", True),
+    "compile": ("perf.gpu.compile", "round_step", True),
+    "python_backend_probe": ("perf.gpu.served", "python_backend_probe", True),
 }
 
 
@@ -41,7 +46,7 @@ class StepSkipped(Exception):
 
 
 class TimeLimit(BaseException):
-    """SIGTERM from perf.gpu_diagnose: the step's time is up (a BaseException, so no step swallows it)."""
+    """SIGTERM from perf.gpu: the step's time is up (a BaseException, so no step swallows it)."""
 
 
 @dataclass
@@ -52,9 +57,19 @@ class Context:
     out: Path
     deadline: float
     details: dict = field(default_factory=dict)
+    dry_run: bool = False  # the CPU stands in for the GPU, with a small model and short points
 
     def left(self) -> float:
         return max(1.0, self.deadline - time.monotonic())
+
+    @property
+    def kind(self) -> str:
+        """build-repo --kind for this round."""
+        return "cpu" if self.dry_run else "gpu"
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry_run else "cuda"
 
 
 def result_path(out: Path, step: str) -> Path:
@@ -65,10 +80,10 @@ def first_line(exc: BaseException) -> str:
     return messages.first_line(exc, type(exc).__name__)[:500]
 
 
-def run(step: str, out: Path, timeout_s: float) -> dict:
+def run(step: str, out: Path, timeout_s: float, dry_run: bool = False) -> dict:
     """Run one step; whatever happens, an outcome: ok, failed with a reason, or skipped with a reason."""
     module, function, _ = STEPS[step]
-    ctx = Context(out, time.monotonic() + timeout_s)
+    ctx = Context(out, time.monotonic() + timeout_s, dry_run=dry_run)
     try:
         getattr(importlib.import_module(module), function)(ctx)
         outcome = {"status": "ok"}
@@ -89,13 +104,15 @@ def _time_limit(signum, frame):
 
 
 def parser() -> OneLineParser:
-    p = OneLineParser(prog="python -m perf.gpu_steps", description=__doc__)
+    p = OneLineParser(prog="python -m perf.gpu.steps", description=__doc__)
     p.add_argument("step", choices=list(STEPS), help="the step to run. Default: none (required).")
     p.add_argument("outdir", type=Path, help="folder for STEP.result.json and the step's logs. Default: none "
                                              "(required).")
     p.add_argument("--timeout-s", type=float, default=240,
-                   help="the step's own deadline (server starts, requests); perf.gpu_diagnose also stops it "
+                   help="the step's own deadline (server starts, requests); perf.gpu also stops it "
                         "then. Default: 240.")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the CPU stands in for the GPU (small model, short points). Default: off.")
     return p
 
 
@@ -103,7 +120,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _time_limit)
     args.outdir.mkdir(parents=True, exist_ok=True)
-    outcome = run(args.step, args.outdir, args.timeout_s)
+    outcome = run(args.step, args.outdir, args.timeout_s, args.dry_run)
     result_path(args.outdir, args.step).write_text(json.dumps(outcome, indent=2, default=str) + "\n")
     print(f"{args.step}: {outcome['status']} {outcome.get('reason', '')}".rstrip(), flush=True)
     return 0

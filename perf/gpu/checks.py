@@ -1,4 +1,4 @@
-"""perf.gpu_diagnose's in-process steps: the environment, nvJPEG vs PIL parity, the GPU tests."""
+"""perf.gpu's in-process steps: the environment, nvJPEG vs PIL parity, the GPU tests."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,8 @@ import sys
 import sysconfig
 from importlib import metadata
 
-from perf import libcuda
-from perf.gpu_steps import ROOT, Context, StepFailed, run_bounded
+from server import libcuda
+from perf.gpu.steps import ROOT, Context, StepFailed, run_bounded
 
 PACKAGES = ("nvidia-pytriton", "tritonclient", "grpcio", "protobuf", "numpy", "pillow", "onnxruntime",
             "onnxruntime-gpu", "geventhttpclient", "python-rapidjson")
@@ -48,6 +48,9 @@ def environment(ctx: Context) -> None:
     # The stub embeds this Python's shared library; a missing one is the first thing ldd below shows.
     d["libpython"] = f"{sysconfig.get_config_var('LIBDIR')}/{sysconfig.get_config_var('INSTSONAME')}"
     d["cpu"], d["cores"] = _cpu_model(), os.cpu_count()
+    d["kernel"] = platform.release()
+    # python_backend's stubs and Triton share tensors through files here: its size and kind.
+    d["dev_shm"] = [line for line in _run(["df", "-hT", "/dev/shm"]).splitlines()[1:]]
     d["packages"] = {name: _version(name) for name in PACKAGES}
     d["nvidia_smi"] = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
     d["libcuda"] = libcuda.report()  # before torch: what a fresh process (the stub) finds
@@ -80,7 +83,8 @@ def environment(ctx: Context) -> None:
 
 
 def parity(ctx: Context) -> None:
-    """nvJPEG + transforms on the GPU vs PIL on the CPU, per sample JPEG: differences and top-1 of ResNet-152."""
+    """nvJPEG + transforms on the GPU vs PIL on the CPU, per sample JPEG: differences and top-1 of ResNet-152.
+    Dry run: torchvision's CPU decoder stands in for nvJPEG, resnet18 for ResNet-152."""
     import torch
     import torchvision
 
@@ -88,7 +92,7 @@ def parity(ctx: Context) -> None:
     from backends.preprocess import Preprocessor
     from perf.samples import sample_jpegs
 
-    device = torch.device("cuda", 0)
+    device = torch.device(ctx.device, 0)
     transform = torchvision.models.ResNet152_Weights.DEFAULT.transforms()
     jpegs = sample_jpegs()
     pre = Preprocessor(transform, device, tensor_decode=True)
@@ -99,12 +103,13 @@ def parity(ctx: Context) -> None:
         raise StepFailed(f"the GPU path refused {refused}")
     slow = [transform(decode(data)) for data in jpegs.values()]
     torch.manual_seed(0)  # random weights: agreement is about the inputs, not about ImageNet accuracy
-    model = torchvision.models.get_model("resnet152", weights=None).eval().to(device)
+    model = torchvision.models.get_model("resnet18" if ctx.dry_run else "resnet152", weights=None).eval().to(device)
     with torch.inference_mode():
         top_fast = model(torch.stack(fast)).argmax(1).tolist()
         top_slow = model(torch.stack(slow).to(device)).argmax(1).tolist()
     diffs = {name: (f.cpu() - s).abs() for name, f, s in zip(jpegs, fast, slow)}
-    ctx.details.update(device=torch.cuda.get_device_name(0), transform="ResNet152_Weights.DEFAULT.transforms()",
+    name = "cpu" if ctx.dry_run else torch.cuda.get_device_name(0)
+    ctx.details.update(device=name, transform="ResNet152_Weights.DEFAULT.transforms()",
                        max_abs_diff={n: round(float(d.max()), 4) for n, d in diffs.items()},
                        mean_abs_diff={n: round(float(d.mean()), 5) for n, d in diffs.items()},
                        top1_agreement=sum(a == b for a, b in zip(top_fast, top_slow)) / len(jpegs))

@@ -1,7 +1,7 @@
 """In-process: what conv-BN folding, CUDA graphs and torch.compile gain over eager at large batches.
 
-    python -m perf.gpu_compile --output perf/results/gpu-compile-resnet152.json      # on a GPU, ~5-8 min
-    python -m perf.gpu_compile --device cpu --model resnet18 --batches 2 --variants eager folded
+    python -m perf.gpu.compile --output perf/results/gpu-compile-resnet152.json      # on a GPU, ~5-8 min
+    python -m perf.gpu.compile --device cpu --model resnet18 --batches 2 --variants eager folded
 
 Per precision × batch × variant: img/s with the input already on the device, the warm-up (compile)
 seconds, and the largest difference of the logits from eager fp32 relative to their range. Variants:
@@ -27,7 +27,7 @@ VARIANTS = ("eager", "folded", "graph", "compile")
 
 
 def parser():
-    p = OneLineParser(prog="python -m perf.gpu_compile", description=__doc__)
+    p = OneLineParser(prog="python -m perf.gpu.compile", description=__doc__)
     p.add_argument("--model", default="resnet152", help="torchvision model (random weights). Default: resnet152.")
     p.add_argument("--device", default="cuda", help="cuda or cpu (a smoke run). Default: cuda.")
     p.add_argument("--precisions", nargs="+", choices=tuple(PRECISIONS), default=["fp16"],
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("perf.gpu_compile: no CUDA device here (use --device cpu for a smoke run)", file=sys.stderr)
+        print("perf.gpu.compile: no CUDA device here (use --device cpu for a smoke run)", file=sys.stderr)
         return 2
     variants = [v for v in args.variants if device.type == "cuda" or v in ("eager", "folded")]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     base = torchvision.models.get_model(args.model, weights=None).eval().to(device)
     result = {"model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "command": " ".join(["python -m perf.gpu_compile", *(argv or sys.argv[1:])]),
+              "torch": torch.__version__, "command": " ".join(["python -m perf.gpu.compile", *(argv or sys.argv[1:])]),
               "points": []}
     with torch.inference_mode():
         for batch_size in args.batches:
@@ -131,3 +131,25 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def round_step(ctx) -> None:
+    """perf.gpu.round's in-process step: eager, folded and graphed fp16 at batch 64 and 128, then torch.compile
+    (max-autotune, minutes of warm-up) at 128 if time is left; OUTDIR/compile.json. Dry run: resnet18 on the CPU."""
+    from perf.gpu.steps import StepFailed
+
+    output = ctx.out / "compile.json"
+    if ctx.dry_run:
+        runs = [["--device", "cpu", "--model", "resnet18", "--batches", "2", "--variants", "eager", "folded"]]
+    else:
+        runs = [["--batches", "64", "128", "--variants", "eager", "folded", "graph"],
+                ["--batches", "128", "--variants", "compile"]]
+    points = []
+    for argv in runs:
+        part = ctx.out / f"compile-{len(points)}.json"
+        if main([*argv, "--seconds", "0.5" if ctx.dry_run else "2", "--output", str(part)]) != 0:
+            raise StepFailed(f"perf.gpu.compile {' '.join(argv)} failed")
+        points += json.loads(part.read_text())["points"]
+        part.unlink()
+        output.write_text(json.dumps({"points": points}, indent=2) + "\n")
+        ctx.details["points"] = points
