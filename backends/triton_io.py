@@ -38,14 +38,14 @@ def honor_faulthandler() -> None:
 
 
 # Where tritonserver runs with CUDA_VISIBLE_DEVICES="" (its core then makes no CUDA pools or copies), a CPU instance
-# with `cuda_device` sees the GPUs this variable names (a way of serving perf.gpu.served.instance_io tries).
+# with `cuda_device` sees the GPUs this variable names (a way of serving perf.gpu.io_variants.instance_io tries).
 STUB_VISIBLE_DEVICES = "CLASSIFIER_STUB_CUDA_VISIBLE_DEVICES"
 
 
 def instance_device(args: dict) -> torch.device:
     """The device of this instance (model_instance_kind / _device_id), never a bare "cuda". A KIND_CPU
     instance whose config names `cuda_device` N runs on cuda:N: Triton hands it CPU tensors as to any CPU
-    instance, and the model moves them to the GPU itself (a way of serving perf.gpu.served.instance_io tries)."""
+    instance, and the model moves them to the GPU itself (a way of serving perf.gpu.io_variants.instance_io tries)."""
     on_host = model_parameters(json.loads(args.get("model_config") or "{}")).get("cuda_device", "")
     if args.get("model_instance_kind") != "GPU" and not on_host:
         return torch.device("cpu")

@@ -32,7 +32,7 @@ PARAMETERS = {
     "ort_allow_spinning": "onnxruntime's workers spin between batches: 1, or 0 (the default: they steal cores)",
     "precision": "fp32 (the default: eager PyTorch's answers), auto, fp16, bf16 or int8",
     "cuda_graphs": "1: one CUDA graph per batch bucket",
-    "cuda_device": "N: a KIND_CPU instance that runs its model on cuda:N (perf.gpu.served's instance_io variants)",
+    "cuda_device": "N: a KIND_CPU instance that runs its model on cuda:N (perf.gpu.io_variants' ways of serving)",
     "cudnn_benchmark": "1: cuDNN picks its algorithms per bucket at load time",
     "batch_buckets": "comma list of batch sizes a GPU instance pads to",
     "decode_device": "cpu or gpu: where JPEGs are decoded (nvJPEG on a GPU instance)",

@@ -30,7 +30,10 @@ def parser():
                         "Default: fp16:1 fp32:1 jpeg unbatched bf16:1 fp16:0 fp32:0.")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256],
                    help="requests in flight (one image each). Default: 1 64 256.")
-    p.add_argument("--seconds", type=float, default=8.0, help="measurement per point. Default: 8.")
+    p.add_argument("--seconds", type=float, default=8.0,
+                   help="measurement per point (and the in-process runner's, at most 3 s). Default: 8.")
+    p.add_argument("--warmup-s", type=float, default=1.0,
+                   help="load before each point's measurement starts. Default: 1.")
     p.add_argument("--images-per-request", type=int, default=1,
                    help="images in each tensor-path request (fewer, larger requests). Default: 1.")
     p.add_argument("--processes", type=int, default=8, help="client processes. Default: 8.")
@@ -46,7 +49,7 @@ def parser():
     p.add_argument("--image-model", choices=("auto", "ensemble", "fused"), default="auto",
                    help="what NAME_image is (build-repo --image-model). Default: auto (fused on gpu).")
     p.add_argument("--io-variant", default=None,
-                   help="a way of serving from perf.gpu.served.IO_VARIANTS (the repository as built, then changed). "
+                   help="a way of serving from perf.gpu.io_variants.IO_VARIANTS (the repository as built, then changed). "
                         "Default: none, the repository as build-repo writes it.")
     p.add_argument("--timeout-s", type=float, default=600,
                    help="the server's start (weights, CUDA graphs per bucket). Default: 600.")
@@ -217,8 +220,9 @@ def _tensor_variant(item, client, server, repo, base, params, max_batch, args, r
     local = InProcess(repo / args.model, {**params, **change}, max_batch, "cuda" if args.kind == "gpu" else "cpu")
     for c in args.concurrency:
         payload = {"shape": [args.images_per_request, 3, 224, 224], "dtype": args.input_dtype}
-        point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes)
-        point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])), dtype=args.input_dtype)
+        point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes, args.warmup_s)
+        point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])), min(args.seconds, 3.0),
+                                                        dtype=args.input_dtype)
         point["served_over_inprocess"] = point["images_per_s"] / point["inprocess_images_per_s"]
         entry["points"].append(point)
         print(json.dumps({"variant": item, **point}), flush=True)
@@ -234,7 +238,7 @@ def _unbatched(client, server, base, best, args, result):
     reload(client, args.model, base, max_batch_size=0, parameters=change)
     c = max(args.concurrency)
     payload = {"shape": [3, 224, 224], "dtype": args.input_dtype}
-    point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes)
+    point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes, args.warmup_s)
     result["unbatched"].append({**change, **point})
     print(json.dumps({"unbatched": True, **point}), flush=True)
     batched = [p for e in result["tensor"] if best and e["precision"] == change["precision"]
@@ -264,7 +268,7 @@ def _jpeg(client, server, base, best, args, result):
         reload(client, target, target_base,
                parameters={"decode_device": where, **(best[0] if fused and best else {})})
         for c in args.concurrency:
-            point = run_load(server.grpc_url, image, "jpeg", payload, c, args.seconds, args.processes,
+            point = run_load(server.grpc_url, image, "jpeg", payload, c, args.seconds, args.processes, args.warmup_s,
                              stats_model=image if fused else None)
             result["jpeg"].append({"decode": where, **(best[0] if best else {}), **point})
             print(json.dumps({"jpeg": where, **point}), flush=True)
@@ -306,7 +310,7 @@ def main(argv=None) -> int:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(result, indent=2) + "\n")
 
-    from perf.gpu.served import apply_io_variant, io_variant_env
+    from perf.gpu.io_variants import apply_io_variant, io_variant_env
 
     flags = apply_io_variant(repo, args.io_variant) if args.io_variant else []
     result["io_variant"] = args.io_variant

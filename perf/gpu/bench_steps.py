@@ -11,13 +11,14 @@ from perf.gpu.steps import StepFailed
 def _round_argv(ctx, output: Path, plan: list[str], instances: int | None = None) -> list[str]:
     """The bench as perf.gpu.round runs it: ResNet-152 on the GPU, or resnet18 on the CPU in a dry run."""
     argv = ["--plan", *plan, "--output", str(output), "--timeout-s", f"{ctx.left():.0f}"]
-    found = ctx.out / "io_variant.json"  # perf.gpu.served.instance_io's finding, when it ran
+    found = ctx.out / "io_variant.json"  # perf.gpu.io_variants.instance_io's finding, when it ran
     right = json.loads(found.read_text())["right"] if found.exists() else []
     on_gpu = [v for v in right if v not in ("cpu_instances", "cpu_instances_gpu_flags")]  # the others use the GPU
     if on_gpu and "gpu_instances" not in on_gpu:  # the repository as built answered wrong, another way right
         argv += ["--io-variant", on_gpu[0]]
     if ctx.dry_run:
-        argv += ["--kind", "cpu", "--model", "resnet18", "--concurrency", "2", "--seconds", "0.5", "--processes", "1"]
+        argv += ["--kind", "cpu", "--model", "resnet18", "--concurrency", "2", "--seconds", "0.5", "--warmup-s", "0.3",
+                 "--processes", "1", "--image-model", "fused"]  # fused: the GPU default, also served on CPU
         instances = instances or 1
     else:
         argv += ["--concurrency", "1", "256", "--seconds", "3"]

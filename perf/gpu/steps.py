@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = {
     "environment": ("perf.gpu.checks", "environment", False),
     "gpu_tests": ("perf.gpu.checks", "gpu_tests", True),
-    "instance_io": ("perf.gpu.served", "instance_io", True),
+    "instance_io": ("perf.gpu.io_variants", "instance_io", True),
     "gpu_output": ("perf.gpu.served", "gpu_output", True),
     "image_path": ("perf.gpu.served", "image_path", True),
     "parity": ("perf.gpu.checks", "parity", True),
