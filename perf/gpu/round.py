@@ -25,9 +25,10 @@ Steps, in this order by default (gpu_tests runs beside the diagnosis, the bench 
 wiring proven without a GPU (tests/test_gpu_round.py). Without --dry-run and without CUDA the GPU steps
 are skipped, saying so.
 
-On the bare GPU machine (no package registry; wheels travel with the tree in .whl/, torchserve's Python part in
-.gpusite/, see docs/performance.md):
-  tools/unpack_wheels.sh .whl /tmp/site && PYTHONPATH=/tmp/site:$PWD/.gpusite python3 -m perf.gpu.round --out $OUT
+On the bare GPU machine (no package registry): tools/gpu_carry.sh, here, makes .whl/ and .gpusite/ to carry; there
+  tools/unpack_wheels.sh .whl /tmp/site && cp -r .gpusite/ts "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
+  PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH python3 -m perf.gpu.round --out $OUT
+(ts goes into site-packages: a stub's isolated Python does not read PYTHONPATH; docs/performance.md).
 
 Exit status: 0 when no step failed, 1 when one did (round.json says which and why), 2 for bad arguments.
 """
