@@ -7,16 +7,20 @@ what was learned). DIR/gpu-resnet152.json holds the figures under stable keys (p
 committed copy); every log (each step's, each tritonserver's, the tests' output) is packed into
 DIR/logs.tar.gz after every step, so that DIR stays a handful of files (a device call returns 8 at most).
 
-Steps, in this order by default (gpu_tests runs beside the diagnosis, the bench and after it alone):
-  environment           Python/torch/CUDA versions, GPU, driver, CPU, how libcuda resolves, ldd of the wheel's stub
+Steps, in this order by default (gpu_tests runs beside the steps up to the bench; the bench and the timings after
+it run alone on the GPU):
+  environment           Python/torch/CUDA versions, GPU, driver, kernel, /dev/shm, CPU, how libcuda resolves, ldd
+                        of the wheel's stub
   gpu_tests             pytest on the GPU test files (perf.gpu.checks.GPU_TESTS): passed / failed counts
-  instance_io           resnet18's answers (tensor and JPEG) served four ways: GPU instances as built, without
-                        pinned staging (per model; for the server), CPU instances running on the GPU
+  instance_io           resnet18's answers (tensor and JPEG) served in each way of perf.gpu.io_variants.IO_VARIANTS
+                        (CPU-instance controls, GPU instances as built and without pinned memory / small shared
+                        memory / the CUDA pool, CPU instances running on the GPU, the GPU hidden from Triton)
+  bench                 ResNet-152 served vs in-process per precision with CUDA graphs, then the JPEG path, on the
+                        first way of serving that answered right
   gpu_output            an echo model on a GPU instance answering with a CUDA tensor: without serve-repo's
                         libcuda.so link, then as serve-repo starts tritonserver
   image_path            a JPEG to resnet18_image over gRPC: fused (the GPU default), ensemble CPU / GPU decode
   parity                nvJPEG + GPU transforms vs PIL on perf.samples' JPEGs
-  bench                 ResNet-152 served vs in-process per precision x CUDA graphs, the JPEG path, unbatched
   instances             the best precision with 1 and 4 classifier instances (the bench ran build-repo's 2)
   compile               conv-BN folding, CUDA graphs, torch.compile in-process (perf.gpu.compile)
   python_backend_probe  echo models vs resnet18: the python backend's own ceiling
@@ -53,7 +57,7 @@ MIN_STEP_S = 15  # less than this left in the budget (and asked for): the step i
 BACKGROUND = ("gpu_tests",)  # run beside the steps that follow it, up to the first ALONE step
 ALONE = ("bench", "instances", "compile", "python_backend_probe")  # timings: nothing else on the GPU meanwhile
 # Each step's own limit (seconds) on the GPU; a dry run's steps are small and get the same.
-LIMITS = {"environment": 60, "instance_io": 120, "gpu_tests": 300, "gpu_output": 90, "image_path": 150, "parity": 60, "bench": 230,
+LIMITS = {"environment": 60, "instance_io": 200, "gpu_tests": 300, "gpu_output": 90, "image_path": 150, "parity": 60, "bench": 230,
           "instances": 120, "compile": 120, "python_backend_probe": 60}
 RESULT = "gpu-resnet152.json"
 HEADLINE = ("round.json", RESULT, "gpu_tests.txt")  # copied into DIR as they are; the rest goes into logs.tar.gz

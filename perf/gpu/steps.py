@@ -20,17 +20,18 @@ from common.cli import OneLineParser
 from common import messages
 
 ROOT = Path(__file__).resolve().parents[2]
-# name -> (module, function, needs CUDA), in the order perf.gpu.round runs them: what the GPU session must
-# learn first (the stub crash) comes first, the bench (alone on the GPU) after the diagnosis, then the extras.
-# Without CUDA a step that needs it is skipped, unless the round is a dry run: then the CPU stands in.
+# name -> (module, function, needs CUDA), in the order perf.gpu.round runs them: whether served answers are right
+# at all and which way of serving gives them (instance_io) first, the bench (alone on the GPU) right after it, then
+# the narrower diagnosis and the extras. Without CUDA a step that needs it is skipped, unless the round is a dry
+# run: then the CPU stands in.
 STEPS = {
     "environment": ("perf.gpu.checks", "environment", False),
     "gpu_tests": ("perf.gpu.checks", "gpu_tests", True),
     "instance_io": ("perf.gpu.io_variants", "instance_io", True),
+    "bench": ("perf.gpu.bench_steps", "round_step", True),
     "gpu_output": ("perf.gpu.served", "gpu_output", True),
     "image_path": ("perf.gpu.served", "image_path", True),
     "parity": ("perf.gpu.checks", "parity", True),
-    "bench": ("perf.gpu.bench_steps", "round_step", True),
     "instances": ("perf.gpu.bench_steps", "instances_step", True),
     "compile": ("perf.gpu.compile", "round_step", True),
     "python_backend_probe": ("perf.gpu.served", "python_backend_probe", True),
