@@ -12,7 +12,7 @@ import numpy as np
 
 from common.contract import IMAGE, IMAGE_BYTES
 from common.modelconfig import read_config, to_text
-from perf.gpu.served import MODEL, _infer, _reference, _verdict, health, served
+from perf.gpu.served import MODEL, health, infer, reference, served, verdict
 from perf.gpu.steps import Context, StepFailed, first_line
 from perf.samples import CAT
 
@@ -66,13 +66,13 @@ def _io_variant(ctx: Context, repo: Path, variant: str, jpeg: bytes, images: np.
         flags, env = apply_io_variant(repo, variant), io_variant_env(variant)
         with served(ctx, repo, f"instance_io-{variant}", env, flags) as server:
             try:
-                logits = _infer(server.grpc_url, MODEL, IMAGE, images)
+                logits = infer(server.grpc_url, MODEL, IMAGE, images)
                 result["tensor_relative_error"] = float(np.abs(logits - expected["tensor"]).max()
                                                         / np.abs(expected["tensor"]).max())
             except Exception as exc:
                 result["tensor_error"] = first_line(exc)
             try:
-                logits = _infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, np.array([[jpeg]], dtype=object))[0]
+                logits = infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, np.array([[jpeg]], dtype=object))[0]
                 result["jpeg_top1"] = int(np.argmax(logits))
                 result["jpeg_relative_error"] = float(np.abs(logits - expected["jpeg"]).max()
                                                       / np.abs(expected["jpeg"]).max())
@@ -86,7 +86,7 @@ def _io_variant(ctx: Context, repo: Path, variant: str, jpeg: bytes, images: np.
         problems.append(f"tensor answers differ from in-process by {result['tensor_relative_error']:.3g}")
     if "jpeg_top1" in result and result["jpeg_top1"] != int(np.argmax(expected["jpeg"])):
         problems.append(f"JPEG top-1 {result['jpeg_top1']}, in-process {int(np.argmax(expected['jpeg']))}")
-    return _verdict(result, problems)
+    return verdict(result, problems)
 
 
 def instance_io(ctx: Context) -> None:
@@ -105,7 +105,7 @@ def instance_io(ctx: Context) -> None:
     torch.manual_seed(0)
     model = torchvision.models.get_model(MODEL, weights=None).eval()
     with torch.inference_mode():
-        expected = {"tensor": model(torch.from_numpy(images)).numpy(), "jpeg": _reference(jpeg)}
+        expected = {"tensor": model(torch.from_numpy(images)).numpy(), "jpeg": reference(jpeg)}
     variants = ctx.details["variants"] = {}
     work = Path(tempfile.mkdtemp(prefix="diagnose-io-"))
     try:

@@ -72,7 +72,7 @@ def health(server, models: list[str]) -> dict:
                             if _NOTABLE.search(line) and not any(h in line for h in _HARMLESS)][-40:]}
 
 
-def _infer(url: str, model: str, name: str, array: np.ndarray) -> np.ndarray:
+def infer(url: str, model: str, name: str, array: np.ndarray) -> np.ndarray:
     import tritonclient.grpc as grpcclient
 
     tensor = grpcclient.InferInput(name, list(array.shape), "BYTES" if array.dtype == object else "FP32")
@@ -81,7 +81,7 @@ def _infer(url: str, model: str, name: str, array: np.ndarray) -> np.ndarray:
     return client.infer(model, [tensor], client_timeout=60).as_numpy(LOGITS)
 
 
-def _verdict(result: dict, problems: list[str]) -> dict:
+def verdict(result: dict, problems: list[str]) -> dict:
     return {"status": "failed" if problems else "ok", "reason": "; ".join(problems), **result}
 
 
@@ -94,14 +94,14 @@ def _echo_variant(ctx: Context, repo: Path, label: str, libcuda_link: bool) -> d
             result["stub_libcuda_link"] = f"libcuda.so -> {os.readlink(link)}" if link.is_symlink() else None
             for model in models:  # numpy first: a GPU instance alone, then one handing over a GPU tensor
                 try:
-                    echoed = _infer(server.grpc_url, model, IMAGE, images)
+                    echoed = infer(server.grpc_url, model, IMAGE, images)
                     result[model] = "ok" if np.array_equal(echoed, images.reshape(1, -1)[:, :1000]) else "wrong values"
                 except Exception as exc:
                     result[model] = f"failed: {first_line(exc)}"
             result.update(health(server, models))
     except Exception as exc:
-        return _verdict(result, [f"tritonserver: {first_line(exc)}"])
-    return _verdict(result, [f"{m} {result[m]}" for m in models if result[m] != "ok"])
+        return verdict(result, [f"tritonserver: {first_line(exc)}"])
+    return verdict(result, [f"{m} {result[m]}" for m in models if result[m] != "ok"])
 
 
 def gpu_output(ctx: Context) -> None:
@@ -126,7 +126,7 @@ def gpu_output(ctx: Context) -> None:
         raise StepFailed(" | ".join(problems))
 
 
-def _reference(jpeg: bytes) -> np.ndarray:
+def reference(jpeg: bytes) -> np.ndarray:
     """What the served logits should be: `--weights random --seed 0` in-process on the CPU, PIL preprocessing."""
     import torch
     import torchvision
@@ -147,13 +147,13 @@ def _image_variant(ctx: Context, repo: Path, label: str, jpeg: bytes, expected: 
     try:
         with served(ctx, repo, label) as server:
             try:
-                logits = _infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)[0]
+                logits = infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)[0]
                 result["top1"] = int(np.argmax(logits))
                 result["relative_error"] = float(np.abs(logits - expected).max() / np.abs(expected).max())
                 times = []
                 for _ in range(20):  # one client, one request at a time: the path's own latency
                     begin = time.perf_counter()
-                    _infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)
+                    infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)
                     times.append(time.perf_counter() - begin)
                 result["latency_ms_p50"] = round(float(np.median(times)) * 1000, 2)
             except Exception as exc:
@@ -162,9 +162,9 @@ def _image_variant(ctx: Context, repo: Path, label: str, jpeg: bytes, expected: 
     except Exception as exc:
         result["error"] = f"tritonserver: {first_line(exc)}"
     if "error" in result:
-        return _verdict(result, [result["error"]])
+        return verdict(result, [result["error"]])
     top1 = int(np.argmax(expected))
-    return _verdict(result, [] if result["top1"] == top1 else [f"top-1 {result['top1']}, in-process {top1}"])
+    return verdict(result, [] if result["top1"] == top1 else [f"top-1 {result['top1']}, in-process {top1}"])
 
 
 def _set_parameter(model_dir: Path, key: str, value: str) -> None:
@@ -179,7 +179,7 @@ def image_path(ctx: Context) -> None:
     Each server starts as serve-repo starts it. Dry run: the CPU decodes, no GPU-decode ensemble."""
     from builder import cli as build_repo
 
-    jpeg, expected = CAT.read_bytes(), _reference(CAT.read_bytes())
+    jpeg, expected = CAT.read_bytes(), reference(CAT.read_bytes())
     ctx.details.update(jpeg=f"{CAT.name} ({len(jpeg)} bytes)", top1_in_process=int(np.argmax(expected)))
     variants = ctx.details["variants"] = {}
     work = Path(tempfile.mkdtemp(prefix="diagnose-image-"))
