@@ -17,4 +17,5 @@ $sudo apt-get install -y -q --no-install-recommends haproxy >/dev/null 2>&1 ||
   { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q --no-install-recommends haproxy >/dev/null; }
 # Debian starts the packaged service where an init system runs; serve-repo starts its own.
 $sudo service haproxy stop >/dev/null 2>&1 || true
-/usr/sbin/haproxy -v | head -1
+# sed reads all of it: head could exit first and haproxy die of SIGPIPE (with pipefail: make's exit 141)
+/usr/sbin/haproxy -v | sed -n 1p
