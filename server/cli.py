@@ -79,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
                    help="tritonserver's log; the proxy's goes to FILE.haproxy.log. Default: a temporary file "
                         "(removed after a clean stop, kept after a failure); the proxy's is "
                         "<tmp>/triton-serve-logs/haproxy-<http port>.log, kept.")
+    p.add_argument("--stub-python", metavar="PYTHON3", type=Path,
+                   help="the python3 whose environment the python backend's stubs run in (they take the first python3 "
+                        "on PATH; its numpy must be 1.x: checked before tritonserver starts). Default: "
+                        "$SERVE_REPO_STUB_PYTHON, else this interpreter's folder's python3.")
     p.add_argument("--timeout", metavar="S", type=float, default=600, help="seconds to wait until ready. Default: 600.")
     ts = p.add_argument_group("TorchServe's API (instead of --repository: start as torchserve starts)")
     ts.add_argument("--torchserve-config", "--ts-config", metavar="FILE", type=Path,
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"serve-repo: error: {busy(api, port, args.host)}", file=sys.stderr)
                 return 1
         server = TritonServer.local(args.repository, model_control=args.model_control, log_file=args.log_file,
-                                    extra_args=extra, drain_seconds=args.drain_seconds)
+                                    extra_args=extra, drain_seconds=args.drain_seconds, stub_python=args.stub_python)
         settings = ProxySettings(args.host, args.http_port, args.grpc_port, int(args.max_body_mb * (1 << 20)),
                                  args.rate_limit, max_in_flight=args.max_in_flight or in_flight(args.repository),
                                  queue_ms=args.queue_ms, trusted=" ".join(args.trusted_proxies or []) or None,
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                                  token_file=args.token_file)
     else:
         server = TritonServer(args.repository, args.http_port, args.grpc_port, args.metrics_port, args.host,
-                              args.model_control, args.log_file, extra, drain_seconds=args.drain_seconds)
+                              args.model_control, args.log_file, extra, drain_seconds=args.drain_seconds,
+                              stub_python=args.stub_python)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -24,6 +24,7 @@ from server.errors import ServerError
 from server.libcuda import stub_library_path
 from server.log import TritonLog
 from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, remove_stale, stubs_of, with_parent_death
+from server.stub_python import check_stub_python, resolve_stub_python, stub_path
 from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models, uses_gpu
 from server.wheel import make_backend_dir, pytriton_root
 
@@ -47,7 +48,7 @@ class TritonServer:
 
     def __init__(self, repository, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1",
                  model_control="none", log_file=None, extra_args=(), drain_seconds: float = 5, env=None,
-                 libcuda_link: bool = True):
+                 libcuda_link: bool = True, stub_python: str | os.PathLike | None = None):
         self.repository = Path(repository).resolve()
         self.host = host
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
@@ -57,6 +58,8 @@ class TritonServer:
         self.env = dict(env or {})  # added to our environment for tritonserver (its stubs inherit it)
         # GPU models: where the driver has only libcuda.so.1, a libcuda.so link first on the stubs' library path.
         self.libcuda_link = libcuda_link
+        self.stub_python = resolve_stub_python(stub_python)  # the `python3` the stubs run in (server.stub_python)
+        self.stub_numpy: str | None = None  # its NumPy, checked (1.x) by start()
         self._workdir: Path | None = None  # made by the first start(): backend symlinks and, by default, the log
         self._own_log = log_file is None
         self.log = TritonLog(Path(log_file) if log_file else None)
@@ -141,8 +144,10 @@ class TritonServer:
                 self.log.path = self._workdir / "tritonserver.log"
         env = {**os.environ, **self.env}
         # The stub embeds the system libpython, which finds its prefix through the first `python3`
-        # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision.
-        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision
+        # (or --stub-python's). Its NumPy must be 1.x: checked before Triton starts (server.stub_python).
+        env["PATH"] = stub_path(self.stub_python, env.get("PATH", ""))
+        self.stub_numpy = check_stub_python(self.stub_python, env)
         if self.libcuda_link and uses_gpu(self.repository):
             library_path = stub_library_path(self._workdir / "libcuda", env.get("LD_LIBRARY_PATH", ""))
             if library_path is not None:

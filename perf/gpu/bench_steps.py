@@ -8,7 +8,8 @@ from perf.gpu.bench import main
 from perf.gpu.steps import StepFailed
 
 
-def _round_argv(ctx, output: Path, plan: list[str], instances: int | None = None) -> list[str]:
+def _round_argv(ctx, output: Path, plan: list[str], instances: int | None = None,
+                concurrency: tuple[str, ...] = ("1", "256")) -> list[str]:
     """The bench as perf.gpu.round runs it: ResNet-152 on the GPU, or resnet18 on the CPU in a dry run."""
     argv = ["--plan", *plan, "--output", str(output), "--timeout-s", f"{ctx.left():.0f}"]
     found = ctx.out / "io_variant.json"  # perf.gpu.io_variants.instance_io's finding, when it ran
@@ -21,7 +22,7 @@ def _round_argv(ctx, output: Path, plan: list[str], instances: int | None = None
                  "--processes", "1", "--image-model", "fused"]  # fused: the GPU default, also served on CPU
         instances = instances or 1
     else:
-        argv += ["--concurrency", "1", "256", "--seconds", "3"]
+        argv += ["--concurrency", *concurrency, "--seconds", "3"]
     return argv + (["--instances", str(instances)] if instances else [])
 
 
@@ -43,14 +44,14 @@ def round_step(ctx) -> None:
 
 def instances_step(ctx) -> None:
     """The bench's best precision and graphs again with 1 and 4 classifier instances (build-repo's GPU default
-    is 2, which the bench ran): the tensor path's img/s and p50/p99 per instance count."""
+    is 2, which the bench ran), at c=256 only (the bench has c=1): the tensor path's img/s and p50/p99 per count."""
     bench = ctx.out / "bench.json"
     best = json.loads(bench.read_text()).get("best") if bench.exists() else None
     item = f"{best['precision']}:{best['cuda_graphs']}" if best else ("fp32:0" if ctx.dry_run else "fp16:1")
     points = ctx.details["points"] = []
     for count in ((2,) if ctx.dry_run else (1, 4)):
         output = ctx.out / f"bench-instances-{count}.json"
-        status = main(_round_argv(ctx, output, [item], count))
+        status = main(_round_argv(ctx, output, [item], count, concurrency=("256",)))
         if status != 0 or not output.exists():
             raise StepFailed(f"bench with {count} instance(s) exited with {status}")
         for point in json.loads(output.read_text())["tensor"][0]["points"]:

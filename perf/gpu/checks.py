@@ -80,6 +80,17 @@ def environment(ctx: Context) -> None:
     missing = [line for line in d["stub_ldd"] if "not found" in line]
     if missing or not stub.is_file():
         raise StepFailed(f"the python {version} stub cannot start: {'; '.join(missing) or 'no such file'}")
+    # The stubs' own Python (serve-repo --stub-python / $SERVE_REPO_STUB_PYTHON) and its numpy, as serve-repo checks
+    # it before every start: NumPy 2 there made every served answer empty on 2026-11-26.
+    from server.errors import ServerError
+    from server.stub_python import check_stub_python, resolve_stub_python, stub_path
+
+    python = resolve_stub_python()
+    d["stub_python"] = str(python)
+    try:
+        d["stub_numpy"] = check_stub_python(python, {**os.environ, "PATH": stub_path(python, os.environ["PATH"])})
+    except ServerError as exc:
+        raise StepFailed(str(exc)) from None
 
 
 def parity(ctx: Context) -> None:

@@ -7,16 +7,15 @@ what was learned). DIR/gpu-resnet152.json holds the figures under stable keys (p
 committed copy); every log (each step's, each tritonserver's, the tests' output) is packed into
 DIR/logs.tar.gz after every step, so that DIR stays a handful of files (a device call returns 8 at most).
 
-Steps, in this order by default (gpu_tests runs beside the steps up to the bench; the bench and the timings after
-it run alone on the GPU):
-  environment           Python/torch/CUDA versions, GPU, driver, kernel, /dev/shm, CPU, how libcuda resolves, ldd
-                        of the wheel's stub
+Steps, in this order by default (the bench runs alone on the GPU; gpu_tests runs beside the steps after it, up to the
+next timing; one run of at most 540 s on the GPU machine):
+  environment           Python/torch/CUDA versions, GPU, driver, kernel, /dev/shm, CPU, the stubs' Python and its
+                        numpy, how libcuda resolves, ldd of the wheel's stub
+  bench                 ResNet-152 served vs in-process per precision with CUDA graphs, then the JPEG path; each client
+                        reads its first answers (an empty or non-finite one is an error)
   gpu_tests             pytest on the GPU test files (perf.gpu.checks.GPU_TESTS): passed / failed counts
-  instance_io           resnet18's answers (tensor and JPEG) served in each way of perf.gpu.io_variants.IO_VARIANTS
-                        (CPU-instance controls, GPU instances as built and without pinned memory / small shared
-                        memory / the CUDA pool, CPU instances running on the GPU, the GPU hidden from Triton)
-  bench                 ResNet-152 served vs in-process per precision with CUDA graphs, then the JPEG path, on the
-                        first way of serving that answered right
+  instance_io           only when the bench's answers were wrong (or --diagnose always): resnet18's answers (tensor
+                        and JPEG) served in each way of perf.gpu.io_variants.IO_VARIANTS
   gpu_output            an echo model on a GPU instance answering with a CUDA tensor: without serve-repo's
                         libcuda.so link, then as serve-repo starts tritonserver
   image_path            a JPEG to resnet18_image over gRPC: fused (the GPU default), ensemble CPU / GPU decode
@@ -29,10 +28,10 @@ it run alone on the GPU):
 wiring proven without a GPU (tests/test_gpu_round.py). Without --dry-run and without CUDA the GPU steps
 are skipped, saying so.
 
-On the bare GPU machine (no package registry): tools/gpu_carry.sh, here, makes .whl/ and .gpusite/ to carry; there
-  tools/unpack_wheels.sh .whl /tmp/site && cp -r .gpusite/ts "$(python3 -c 'import site; print(site.getsitepackages()[0])')/"
-  PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH python3 -m perf.gpu.round --out $OUT
-(ts goes into site-packages: a stub's isolated Python does not read PYTHONPATH; docs/performance.md).
+On the bare GPU machine (no package registry, NumPy 2 in its Python): tools/gpu_carry.sh, here, packs .gpucarry/
+to carry; there tools/gpu_round.sh OUT runs this with the carry unpacked and the stubs given a Python with NumPy 1.x
+(tools/stub_env.sh; docs/performance.md, "The GPU round"). The suite runs the same script with perf.gpu.standin's
+stand-in for that machine's Python (tests/test_gpu_round.py).
 
 Exit status: 0 when no step failed, 1 when one did (round.json says which and why), 2 for bad arguments.
 """
@@ -77,9 +76,12 @@ def parser() -> OneLineParser:
                    help="longest one step may run, in seconds: then it gets SIGTERM, and SIGKILL to its process "
                         f"group {GRACE_S} s later, and is recorded as failed. Default: each step's own "
                         f"({', '.join(f'{k} {v}' for k, v in LIMITS.items())}).")
-    p.add_argument("--budget-s", type=float, default=500,
+    p.add_argument("--budget-s", type=float, default=540,
                    help="all steps together, in seconds (a device call is limited to 600): a step gets at most "
-                        "what is left, and is skipped when too little is. Default: 500.")
+                        "what is left, and is skipped when too little is. Default: 540.")
+    p.add_argument("--diagnose", choices=("on-failure", "always"), default="on-failure",
+                   help="instance_io (which way of serving answers right): on-failure runs it only when the bench "
+                        "failed or did not run. Default: on-failure.")
     p.add_argument("--dry-run", action="store_true",
                    help="the CPU stands in for the GPU: the same steps on a small model, in seconds each. "
                         "Default: off.")
@@ -201,6 +203,9 @@ def main(argv=None) -> int:
         """Skipped (with why) before it starts, or None when it may run."""
         if STEPS[step][2] and not cuda["available"] and not args.dry_run:
             return {"status": "skipped", "reason": cuda["reason"]}
+        if step == "instance_io" and args.diagnose == "on-failure" \
+                and report["steps"].get("bench", {}).get("status") == "ok":
+            return {"status": "skipped", "reason": "the bench's answers were right (--diagnose always runs it)"}
         if deadline - time.monotonic() - GRACE_S < min(limit_of(step), MIN_STEP_S):
             return {"status": "skipped", "reason": f"no time left in --budget-s {args.budget_s:g}"}
         return None

@@ -20,15 +20,15 @@ from common.cli import OneLineParser
 from common import messages
 
 ROOT = Path(__file__).resolve().parents[2]
-# name -> (module, function, needs CUDA), in the order perf.gpu.round runs them: whether served answers are right
-# at all and which way of serving gives them (instance_io) first, the bench (alone on the GPU) right after it, then
-# the narrower diagnosis and the extras. Without CUDA a step that needs it is skipped, unless the round is a dry
-# run: then the CPU stands in.
+# name -> (module, function, needs CUDA), in the order perf.gpu.round runs them: the bench first (alone on the GPU:
+# the figures, and whether served answers are right), the GPU tests, instance_io (which way of serving answers right:
+# only when the bench's answers were wrong, unless asked), then the narrower checks and the extras. Without CUDA a
+# step that needs it is skipped, unless the round is a dry run: then the CPU stands in.
 STEPS = {
     "environment": ("perf.gpu.checks", "environment", False),
+    "bench": ("perf.gpu.bench_steps", "round_step", True),
     "gpu_tests": ("perf.gpu.checks", "gpu_tests", True),
     "instance_io": ("perf.gpu.io_variants", "instance_io", True),
-    "bench": ("perf.gpu.bench_steps", "round_step", True),
     "gpu_output": ("perf.gpu.served", "gpu_output", True),
     "image_path": ("perf.gpu.served", "image_path", True),
     "parity": ("perf.gpu.checks", "parity", True),

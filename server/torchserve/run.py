@@ -94,7 +94,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     # build is cached in the store for every later run.
     repository = Path(tempfile.mkdtemp(prefix="triton-torchserve-repo-"))
     server = TritonServer.local(repository, log_file=args.log_file, extra_args=extra,
-                                drain_seconds=args.drain_seconds)
+                                drain_seconds=args.drain_seconds, stub_python=args.stub_python)
     try:
         server.start(args.timeout, abort=stop)
     except ServerError as exc:
