@@ -53,6 +53,8 @@ for part in site stub; do  # ts for the round's own processes too (tests compare
   cp -r "$ts_dir" "$out/$part/ts"
   rm -rf "$out/$part/ts/frontend"
 done
+# Console scripts name the Python that installed them (this machine's): there, the first python3 on PATH.
+sed -i '1s|^#!.*python.*$|#!/usr/bin/env python3|' "$out"/site/bin/*
 find "$out" -name __pycache__ -prune -exec rm -rf {} +
 if [ "$pack" = 1 ]; then
   tar -C "$out" -cJf "$out/carry.tar.xz" site stub

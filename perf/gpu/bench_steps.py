@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from perf.gpu.bench import main
@@ -29,7 +30,9 @@ def _round_argv(ctx, output: Path, plan: list[str], instances: int | None = None
 def round_step(ctx) -> None:
     """perf.gpu.round's bench: the tensor path per precision with CUDA graphs, then the JPEG path (the fused
     model, GPU and CPU decode) with the best of them; OUTDIR/bench.json (gpu-resnet152.json's record)."""
-    plan = ["fp32:0", "jpeg"] if ctx.dry_run else ["bf16:1", "jpeg", "fp16:1", "fp32:1"]
+    # $PERF_GPU_BENCH_PLAN (space-separated items) narrows it, e.g. for a short device call.
+    plan = ["fp32:0", "jpeg"] if ctx.dry_run else (os.environ.get("PERF_GPU_BENCH_PLAN", "").split()
+                                                   or ["bf16:1", "jpeg", "fp16:1", "fp32:1"])
     output = ctx.out / "bench.json"
     ctx.details.update(plan=plan, output=output.name)
     status = main(_round_argv(ctx, output, plan))

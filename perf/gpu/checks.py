@@ -130,8 +130,10 @@ def gpu_tests(ctx: Context) -> None:
     """The GPU test files under pytest, output in OUTDIR/gpu_tests.txt (-rA: each test's outcome)."""
     output = ctx.out / "gpu_tests.txt"
     # Dry run: one small file proves the wiring (the suite runs all of GPU_TESTS itself, skipping the GPU parts).
+    # $PERF_GPU_TESTS (space-separated files) narrows them, e.g. to re-run one file in a short device call.
+    chosen = os.environ.get("PERF_GPU_TESTS", "").split() or GPU_TESTS
     cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-           *(("tests/test_gpu_compile.py",) if ctx.dry_run else GPU_TESTS)]
+           *(("tests/test_gpu_compile.py",) if ctx.dry_run else chosen)]
     ctx.details.update(command=" ".join(["python -m pytest", *cmd[3:]]), output=output.name)
     # Test servers inherit this environment: a stub that dies prints its Python stack into the output.
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
