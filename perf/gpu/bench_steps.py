@@ -52,7 +52,8 @@ def instances_step(ctx) -> None:
     best = json.loads(bench.read_text()).get("best") if bench.exists() else None
     item = f"{best['precision']}:{best['cuda_graphs']}" if best else ("fp32:0" if ctx.dry_run else "fp16:1")
     points = ctx.details["points"] = []
-    for count in ((2,) if ctx.dry_run else (1, 4)):
+    counts = [int(n) for n in os.environ.get("PERF_GPU_INSTANCES", "").split()] or [1, 4]  # narrows a short call
+    for count in ((2,) if ctx.dry_run else counts):
         output = ctx.out / f"bench-instances-{count}.json"
         status = main(_round_argv(ctx, output, [item], count, concurrency=("256",)))
         if status != 0 or not output.exists():
