@@ -40,7 +40,9 @@ class KindDefaults:
 
 # What `build-repo --kind K` ships when a flag is not given. A GPU wants big batches (ResNet-152 fp16
 # on an H100: 2000 img/s at batch 8, 6200 at 64 with CUDA graphs), a short delay so a batch forms
-# while the other instance computes, and two instances so one copies/prepares while the other runs.
+# while another instance computes, and four instances: the python backend's per-request work in each stub,
+# not the GPU, bounds a served model (ResNet-152 fp16 + CUDA graphs served at c=256 on an H100, 2026-11-27:
+# 2 instances 2232 img/s, 4 instances 3673; perf/results/gpu-resnet152.json).
 # No queue bounds by default (Triton's own default): any `default_queue_policy` turns Triton 2.51's
 # prefetching off (core PR #237, scheduler_utils.cc), and then a request arriving while the instance is
 # returning from its batch waits for the batcher's hard-coded 500 ms (dynamic_batch_scheduler.cc): measured
@@ -50,7 +52,7 @@ class KindDefaults:
 # Triton (a reverse proxy's concurrency limit).
 DEFAULTS = {
     InstanceKind.CPU: KindDefaults(DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE_DELAY_US, 1, 0, 0),
-    InstanceKind.GPU: KindDefaults(64, 200, 2, 0, 0),
+    InstanceKind.GPU: KindDefaults(64, 200, 4, 0, 0),
 }
 
 

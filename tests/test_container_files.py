@@ -90,7 +90,7 @@ def _bytes(size: str) -> int:
 def _stub_shm_bytes(args: list[str]) -> int:
     """What the python backend's stubs of a GPU build need in /dev/shm, x2: room to grow once each."""
     (default,) = [int(arg.rpartition("=")[2]) for arg in args if "shm-default-byte-size" in arg]
-    return 4 * 2 * default  # 2 instances of each of its 2 python models: 4 stub regions
+    return 8 * 2 * default  # 4 instances (build-repo's GPU default) of each of its 2 python models: 8 stub regions
 
 
 def _hadolint(dockerfile: Path, home: Path) -> subprocess.CompletedProcess:

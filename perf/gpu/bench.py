@@ -45,7 +45,7 @@ def parser():
                    help="photo sent on the JPEG path. Default: clients/samples/chelsea.jpg.")
     p.add_argument("--instances", type=int, default=None,
                    help="classifier (and fused model) instances (build-repo --instances). Default: build-repo's "
-                        "(2 on gpu). Instances x precision: run once per count, e.g. 1, 2, 4.")
+                        "(4 on gpu). Instances x precision: run once per count, e.g. 1, 2, 4.")
     p.add_argument("--image-model", choices=("auto", "ensemble", "fused"), default="auto",
                    help="what NAME_image is (build-repo --image-model). Default: auto (fused on gpu).")
     p.add_argument("--io-variant", default=None,

@@ -20,7 +20,7 @@ next timing; one run of at most 540 s on the GPU machine):
                         libcuda.so link, then as serve-repo starts tritonserver
   image_path            a JPEG to resnet18_image over gRPC: fused (the GPU default), ensemble CPU / GPU decode
   parity                nvJPEG + GPU transforms vs PIL on perf.samples' JPEGs
-  instances             the best precision with 1 and 4 classifier instances (the bench ran build-repo's 2)
+  instances             the best precision with 1 and 2 classifier instances at c=256 (the bench ran build-repo's 4)
   compile               conv-BN folding, CUDA graphs, torch.compile in-process (perf.gpu.compile)
   python_backend_probe  echo models vs resnet18: the python backend's own ceiling
 
