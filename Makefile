@@ -10,13 +10,19 @@ setup: $(VENV)/.installed
 
 # --isolated: ignore the machine's pip config, whose find-links hold a CPU-only torch that
 # torchvision cannot load against; the registry's default torch works on CPU and GPU.
-$(VENV)/.installed: pyproject.toml tools/install_perf_analyzer.sh tools/install_proxy.sh tools/install_java.sh
+$(VENV)/.installed: pyproject.toml tools/install_perf_analyzer.sh tools/install_proxy.sh tools/install_java.sh \
+		tools/gpu_carry.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --isolated --quiet --upgrade pip
 	$(BIN)/python -m pip install --isolated --quiet -e '.[test]'
 	tools/install_perf_analyzer.sh $(VENV)
 	tools/install_proxy.sh
 	tools/install_java.sh
+	# The GPU round's dry run in the GPU machine's environment (perf.gpu.standin, tests/test_gpu_round.py): what a
+	# device call carries, built for this Python, and the NumPy 2 that machine's Python has.
+	tools/gpu_carry.sh --python-version $$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])') \
+		--out $(VENV)/gpu-carry --no-pack
+	$(BIN)/python -m pip download --isolated --quiet --no-deps --only-binary=:all: -d $(VENV)/gpu-image 'numpy>=2,<3'
 	touch $@
 
 demo: setup

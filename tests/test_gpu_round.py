@@ -1,12 +1,14 @@
-"""perf.gpu.round, the GPU round's one command, without a GPU (here, CI): its dry run (the CPU standing in) runs
-every step and writes the figures under their stable keys; without --dry-run it records the environment and
-skips the GPU steps with a reason, and survives a step that overruns; tools/unpack_wheels.sh, which the GPU
-machine runs first; and the backends' faulthandler, which puts a crashed stub's stack into the log it reads."""
+"""perf.gpu.round, the GPU round's one command, without a GPU (here, CI): its dry run runs every step, the CPU standing
+in for the GPU and perf.gpu.standin for the GPU machine's Python (NumPy 2, the carry of tools/gpu_carry.sh, nothing
+of this venv), through tools/gpu_round.sh as the GPU machine runs it, and writes the figures under their stable
+keys; in that Python without the stubs' environment serve-repo refuses to start, in one line; without --dry-run
+the round records the environment and skips the GPU steps with a reason, and survives a step that overruns; and
+the backends' faulthandler, which puts a crashed stub's stack into the log it reads."""
 import json
+import os
 import subprocess
 import sys
 import tarfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,23 +32,53 @@ def _round(out: Path, *args: str, timeout: float = 120) -> tuple[int, dict]:
     return done.returncode, json.loads((out / "round.json").read_text())
 
 
-def test_dry_run_runs_every_step_and_writes_the_figures_when_the_cpu_stands_in(tmp_path):
-    status, report = _round(tmp_path / "out", "--dry-run", timeout=600)
-    assert status == 0, {name: outcome.get("reason") for name, outcome in report["steps"].items()}
+@pytest.fixture(scope="module")
+def gpu_image_python(tmp_path_factory) -> Path:
+    """The GPU machine's Python as perf.gpu.standin reproduces it: NumPy 2, the image's packages, none of this venv's."""
+    from perf.gpu.standin import build
+
+    python = build(tmp_path_factory.mktemp("gpu-image") / "python")
+    found = subprocess.run([str(python), "-I", "-c", "import numpy, torch; print(numpy.__version__)"],
+                           capture_output=True, text=True, timeout=300)
+    assert found.stdout.startswith("2."), found.stderr
+    for absent in ("tritonclient", "pytriton", "ts", "server"):  # carried, or this project: not from the venv
+        missing = subprocess.run([str(python), "-I", "-c", f"import {absent}"], capture_output=True, text=True,
+                                 cwd="/", timeout=120)
+        assert missing.returncode != 0, absent
+    return python
+
+
+def test_dry_run_in_the_gpu_machines_python_runs_every_step_with_the_stubs_on_numpy_1(tmp_path, gpu_image_python):
+    """tools/gpu_round.sh as the GPU machine runs it, that machine's Python standing in: every served answer right."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": str(gpu_image_python), "GPU_CARRY": str(ROOT / ".venv" / "gpu-carry"),
+           "GPU_ROUND_WORK": str(tmp_path / "work")}
+    for name in ("PYTHONPATH", "VIRTUAL_ENV", "SERVE_REPO_STUB_PYTHON"):
+        env.pop(name, None)
+    done = subprocess.run([str(ROOT / "tools" / "gpu_round.sh"), str(out), "--dry-run", "--diagnose", "always"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert (out / "round.json").is_file(), done.stdout + done.stderr
+    report = json.loads((out / "round.json").read_text())
+    assert done.returncode == 0, {name: outcome.get("reason") for name, outcome in report["steps"].items()}
     assert list(report["steps"]) == list(STEPS) and report["dry_run"] is True
     assert all(outcome["status"] == "ok" for outcome in report["steps"].values())
+    environment = report["steps"]["environment"]["details"]
+    assert environment["packages"]["numpy"].startswith("2.")  # the round's own Python: the image's NumPy 2
+    assert environment["stub_numpy"].startswith("1.")  # the stubs': tools/stub_env.sh's
+    assert environment["stub_python"] == str(tmp_path / "work" / "stub-python" / "bin" / "python3")
+    assert environment["packages"]["nvidia-pytriton"] == "0.7.0"  # from the carry
     # DIR stays a handful of files (a device call returns 8): the logs are packed.
-    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == sorted([*HEADLINE, "logs.tar.gz"])
-    with tarfile.open(tmp_path / "out" / "logs.tar.gz") as archive:
+    assert sorted(path.name for path in out.iterdir()) == sorted([*HEADLINE, "logs.tar.gz"])
+    with tarfile.open(out / "logs.tar.gz") as archive:
         packed = set(archive.getnames())
     assert {f"logs/{step}.log" for step in STEPS} <= packed and "logs/bench.json" in packed
-    figures = json.loads((tmp_path / "out" / RESULT).read_text())
+    figures = json.loads((out / RESULT).read_text())
     assert figures["dry_run"] is True and figures["device"] == "cpu"
     for key in KEYS[1:5]:
         assert figures[key] > 0, key
     # The tests ran under pytest and were counted (a dry run runs one small file of them).
     assert figures["gpu_tests_failed"] == 0 and figures["gpu_tests_passed"] > 0
-    assert "passed" in (tmp_path / "out" / "gpu_tests.txt").read_text()
+    assert "passed" in (out / "gpu_tests.txt").read_text()
     # Every served point's answers were read and checked (perf.gpu.bench counts a wrong one as an error).
     bench = figures["bench"]
     assert bench["jpeg_model"] == "fused" and [p["decode"] for p in bench["jpeg"]] == ["gpu", "cpu"]
@@ -94,40 +126,34 @@ def test_round_fails_that_step_and_runs_the_next_when_a_step_overruns(tmp_path):
     assert "TimeLimit" in log
 
 
-def _wheel(folder: Path, name: str) -> Path:
-    """A minimal pure-Python wheel holding one module, `name`."""
-    path = folder / f"{name}-0.1-py3-none-any.whl"
-    info = f"{name}-0.1.dist-info"
-    files = {f"{name}.py": "VALUE = 42\n",
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
-             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    with zipfile.ZipFile(path, "w") as archive:
-        for member, text in files.items():
-            archive.writestr(member, text)
-        archive.writestr(f"{info}/RECORD", "".join(f"{member},,\n" for member in [*files, f"{info}/RECORD"]))
-    return path
+def test_serve_repo_refuses_in_one_line_when_the_stubs_python_has_numpy_2(tmp_path, gpu_image_python):
+    """python_backend r24.10's stub reads NumPy 1.x's ABI: in a Python with NumPy 2 every answer would be empty while
+    Triton says ready. serve-repo started from that Python (as the GPU machine's) refuses before Triton starts."""
+    (tmp_path / "repo").mkdir()
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{ROOT / '.venv' / 'gpu-carry' / 'site'}:{ROOT}"}
+    done = subprocess.run([str(gpu_image_python), "-m", "server.cli", "--repository", str(tmp_path / "repo"),
+                           "--timeout", "60"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1 and "ready" not in done.stdout, done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    version = subprocess.run([str(gpu_image_python), "-I", "-c", "import numpy; print(numpy.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    assert f"would run {gpu_image_python} with numpy {version}" in lines[0]  # the interpreter and the version
+    assert "numpy<2" in lines[0] and "--stub-python" in lines[0] and "PR #384" in lines[0]  # the fix, the cause
 
 
-def test_unpack_wheels_installs_every_wheel_into_target_when_given_a_folder(tmp_path):
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    for name in ("carried_one", "carried_two"):
-        _wheel(wheels, name)
-    env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([str(ROOT / "tools" / "unpack_wheels.sh"), str(wheels), str(tmp_path / "site")],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    check = subprocess.run([sys.executable, "-c", "import carried_one, carried_two; print(carried_one.VALUE)"],
-                           env={"PYTHONPATH": str(tmp_path / "site")}, capture_output=True, text=True)
-    assert check.stdout.strip() == "42", check.stderr
+def test_stub_python_check_names_what_the_stubs_would_find_when_it_is_not_the_python3_given(tmp_path):
+    from server.errors import ServerError
+    from server.stub_python import check_stub_python, resolve_stub_python, stub_path
 
-
-def test_unpack_wheels_exits_with_usage_when_arguments_are_missing(tmp_path):
-    done = subprocess.run([str(ROOT / "tools" / "unpack_wheels.sh"), str(tmp_path)], capture_output=True, text=True)
-    assert done.returncode == 2 and "usage: tools/unpack_wheels.sh WHEEL_DIR TARGET" in done.stderr
-    empty = subprocess.run([str(ROOT / "tools" / "unpack_wheels.sh"), str(tmp_path), str(tmp_path / "site")],
-                           capture_output=True, text=True)
-    assert empty.returncode == 1 and "no *.whl" in empty.stderr
+    python = resolve_stub_python()
+    assert python == Path(sys.executable).parent / "python3"
+    assert check_stub_python(python, {"PATH": stub_path(python, "/usr/bin:/bin")}).startswith("1.")
+    # A path whose first python3 is another interpreter, or a name that is not python3: the stubs would not get it.
+    with pytest.raises(ServerError, match="the python backend's stubs take the first `python3` on PATH"):
+        check_stub_python(python, {"PATH": "/usr/bin:/bin"})
+    with pytest.raises(ServerError, match="name a python3"):
+        check_stub_python(Path(sys.executable).parent / "python", {"PATH": stub_path(python, "")})
 
 
 @pytest.mark.parametrize("variable, enabled", [({"PYTHONFAULTHANDLER": "1"}, "True"), ({}, "False")])
