@@ -15,7 +15,12 @@
 --   the model: ~90-byte requests declaring huge or wrapping dims abort it (std::bad_alloc, std::length_error);
 --   no such shape is a model's.
 -- compression: a compressed body (Content-Encoding, or a gRPC message with its compressed flag) is refused
---   (415, gRPC UNIMPLEMENTED): what is checked must be what Triton reads; send it uncompressed.
+--   (415, gRPC UNIMPLEMENTED): what is checked must be what Triton reads; send it uncompressed. Every gRPC method,
+--   not only ModelInfer: a 760 KiB gzip ModelConfig request inflated to a 768 MiB name cost Triton 5 GB.
+-- body-limit: a gRPC request is one message of at most PROXY_MAX_BODY bytes (ModelInfer) or GRPC_SMALL_MAX bytes
+--   (every other method: a model's name and version, parameters), whole in the buffer (413, RESOURCE_EXHAUSTED).
+-- model: a model name longer than a file name (255 bytes) or a version that is no int64 names no model: refused
+--   before the guard asks Triton about it (400); the guard's cache of models holds MAX_CACHED of them at most.
 -- shared-memory: an input or output naming a shared-memory region is refused (the shared-memory API is not
 --   served through the proxy, so no client of it can have registered one).
 -- Refusals are JSON {"error": "proxy rule <name>: <why>"}, the shape Triton's own errors have, so that
@@ -180,6 +185,8 @@ local TRITON_HTTP = os.getenv("TRITON_HTTP")
 local CONFIG_TTL_MS = 2000
 local MISSING = {}      -- a model Triton says it does not serve
 local models = {}       -- "name/version" -> {spec = ..., at = ms}
+local cached = 0        -- entries in `models`: past MAX_CACHED it starts again empty
+local MAX_CACHED = 1024
 
 local function now_ms()
   local t = core.now()
@@ -233,6 +240,10 @@ local function model_spec(name, version, fresh)
   while true do
     local spec = fetch(name, version)
     if spec then
+      if models[key] == nil then
+        cached = cached + 1
+        if cached > MAX_CACHED then models, cached = {}, 1 end  -- many names asked for: none kept for good
+      end
       models[key] = {spec = spec, at = now_ms()}
       return spec
     end
@@ -302,6 +313,12 @@ end
 
 -- Admit `tensors` for `model` (version "" = the default) or say why not (status, rule, why).
 local function admit(model, version, tensors)
+  if #model == 0 or #model > 255 then
+    return 400, "model", string.format("a model name of %d bytes names no model (a folder's name: 1 to 255)", #model)
+  end
+  if #version > 19 or not version:match("^%d*$") then
+    return 400, "model", "version '" .. clip(version) .. "' is not a version number (an int64)"
+  end
   local spec = model_spec(model, version, false)
   if spec == nil then return 503, "model", "Triton does not answer about model " .. clip(model) end
   local rule, why
@@ -611,7 +628,8 @@ local function header(txn, name)
   return values and values[0]
 end
 
-local GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+local GRPC_SERVICE = "/inference.GRPCInferenceService/"
+local GRPC_INFER = GRPC_SERVICE .. "ModelInfer"
 -- HTTP statuses as gRPC status codes (UNAUTHENTICATED, NOT_FOUND, RESOURCE_EXHAUSTED, INVALID_ARGUMENT,
 -- FAILED_PRECONDITION, UNIMPLEMENTED, UNAVAILABLE).
 local GRPC_STATUS = {[401] = "16", [404] = "5", [413] = "8", [400] = "3", [411] = "9", [415] = "12", [503] = "14"}
@@ -632,6 +650,25 @@ MAX_BODY = tonumber(os.getenv("PROXY_MAX_BODY") or "")
 
 local function grpc_problem(txn)
   return grpc_check(txn.f:req_body() or "", admit)
+end
+
+-- Every gRPC method but ModelInfer (whose message grpc_check reads): one uncompressed message, small, whole.
+local GRPC_SMALL_MAX = 16384
+local function grpc_small_problem(txn)
+  local body = txn.f:req_body() or ""
+  if #body < 5 then return 400, "grpc-message", "the request does not start with a gRPC message header" end
+  local compressed, length = string.unpack(">BI4", body)
+  if compressed ~= 0 then
+    return 415, "compression", "a compressed gRPC message: send it uncompressed (the proxy checks what Triton reads)"
+  end
+  if length > GRPC_SMALL_MAX then
+    return 413, "body-limit", string.format("a gRPC message of %d bytes, over %d for this method", length,
+                                            GRPC_SMALL_MAX)
+  end
+  if #body ~= 5 + length then
+    return 400, "grpc-message", string.format("a unary call carries one message of %d bytes, not %d bytes", length,
+                                              #body - 5)
+  end
 end
 
 -- A request that was in flight at two deaths of Triton (haproxy.cfg's hold_* keep their fingerprints).
@@ -658,6 +695,7 @@ local function check(txn)
   local status, rule, why = quarantined(txn)
   if status then return status, rule, why end
   if txn.f:path() == GRPC_INFER then return grpc_problem(txn) end
+  if txn.f:path():find(GRPC_SERVICE, 1, true) == 1 then return grpc_small_problem(txn) end
   if txn.f:method() ~= "POST" or not txn.f:path():match("/infer$") then return end  -- gRPC: .../ModelInfer
   local length = tonumber(header(txn, "content-length") or "")
   if not length then

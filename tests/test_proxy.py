@@ -257,6 +257,66 @@ def test_proxy_caps_a_grpc_message_by_the_length_it_declares_when_larger_than_co
     assert grpc.infer(SMALL, [_tensor(grpcclient, 3)]).as_numpy("LOGITS").shape == (3, 1000)  # 1.8 MB passes
 
 
+def _grpc_call(target: str, method: str, request, compression=None) -> tuple[str, str]:
+    """One unary call of `method` (GRPCInferenceService) through `target`: its status code's name and details."""
+    import grpc
+
+    with grpc.insecure_channel(target) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=lambda data: data)
+        try:
+            call(request, timeout=60, compression=compression)
+            return "OK", ""
+        except grpc.RpcError as error:
+            return error.code().name, error.details()
+
+
+def test_proxy_bounds_every_grpc_method_not_only_inference_when_its_message_is_big_or_compressed(server, proxy):
+    """Issue 42 A1: a gzip ModelConfig request whose model name was 768 MiB (760 KiB on the wire) took tritonserver
+    from 472 MB to 5.5 GB, and an uncompressed 64 MiB one passed the body cap: only ModelInfer was checked."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+
+    honest = pb.ModelConfigRequest(name=SMALL)
+    assert _grpc_call(proxy.grpc_url, "ModelConfig", honest) == ("OK", "")
+    rss = psutil.Process(server.pid).memory_info().rss
+    # 8 MiB of name, about 8 KiB on the wire once compressed: refused before Triton inflates it.
+    code, details = _grpc_call(proxy.grpc_url, "ModelConfig", pb.ModelConfigRequest(name="m" * (8 << 20)),
+                               compression=grpc.Compression.Gzip)
+    assert (code, details.split(":")[0]) == ("UNIMPLEMENTED", "proxy rule compression"), details
+    # Uncompressed: over the fixture's 2 MiB body cap, and over the small cap of a request that is no inference.
+    for size in (3 << 20, 64 << 10):
+        code, details = _grpc_call(proxy.grpc_url, "ModelMetadata", pb.ModelMetadataRequest(name="m" * size))
+        refused = code == "RESOURCE_EXHAUSTED" and details.startswith("proxy rule body-limit")
+        # Beyond the buffer the refusal may reach the client while it still sends: then gRPC says CANCELLED.
+        assert refused or size > (1 << 20) and code == "CANCELLED", (size, code, details)
+    assert psutil.Process(server.pid).memory_info().rss < rss + (100 << 20)
+    assert _grpc_call(proxy.grpc_url, "ModelMetadata", pb.ModelMetadataRequest(name=SMALL)) == ("OK", "")
+    assert _grpc_call(proxy.grpc_url, "ServerLive", pb.ServerLiveRequest()) == ("OK", "")
+
+
+def test_proxy_refuses_a_version_no_model_can_have_before_asking_triton_about_it(server, proxy):
+    """Issue 42 A3: 4,000-digit versions were each cached for good and fetched again every 250 ms for 15 s."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=SMALL, model_version="9" * 4000)
+    request.inputs.add(name="IMAGE", datatype="FP32", shape=[1, 3, 224, 224])
+    request.raw_input_contents.append(b"\0" * 602112)
+    began = time.monotonic()
+    code, details = _grpc_call(proxy.grpc_url, "ModelInfer", request)
+    assert (code, details.split(":")[0]) == ("INVALID_ARGUMENT", "proxy rule model"), details
+    assert time.monotonic() - began < 10  # not held while the guard asks Triton again and again
+    request.model_name, request.model_version = "m" * 4000, ""
+    code, details = _grpc_call(proxy.grpc_url, "ModelInfer", request)
+    assert (code, details.split(":")[0]) == ("INVALID_ARGUMENT", "proxy rule model"), details
+    code, text = _post(f"http://{proxy.http_url}", f"/v2/models/{SMALL}/versions/{'9' * 4000}/infer",
+                       _dims("[1,3]"))
+    assert code in (400, 403) and "proxy rule" in text
+    request.model_name, request.model_version = SMALL, "1"
+    assert _grpc_call(proxy.grpc_url, "ModelInfer", request) == ("OK", "")
+
+
 def test_proxy_limits_one_clients_rate_when_it_sends_more_than_allowed(server, tmp_path):
     limited = _proxy(server, tmp_path, rate_per_10s=5)
     try:
