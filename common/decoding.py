@@ -101,15 +101,34 @@ def decode(data: bytes) -> Image.Image:
     return to_rgb(ImageOps.exif_transpose(image))
 
 
+_BAND_PIXELS = 1 << 20  # to_rgb converts wide images a band of rows at a time: its temporaries stay a few MB
+
+
+def _bands(image: Image.Image):
+    """The image's pixels as arrays of whole rows, about _BAND_PIXELS each, and where each band starts."""
+    width, height = image.size
+    rows = max(1, _BAND_PIXELS // max(1, width))
+    for top in range(0, height, rows):
+        yield top, np.asarray(image.crop((0, top, width, min(height, top + rows))))
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB for any mode: 16-bit and float grayscale are scaled, not clipped to white."""
-    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
-        pixels = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or pixels.max() > 255 else 255.0
-        image = Image.fromarray(np.clip(pixels / top * 255.0 + 0.5, 0, 255).astype(np.uint8), "L")
-    elif image.mode == "F":
-        pixels = np.asarray(image, dtype=np.float64)
-        image = Image.fromarray(np.clip(pixels * (255.0 if pixels.max() <= 1.0 else 1.0), 0, 255).astype(np.uint8))
+    """RGB for any mode: 16-bit and float grayscale are scaled, not clipped to white. Scaled a band of rows at a
+    time into one 8-bit plane, never through a whole float64 copy (a 16-bit 49 M-pixel PNG cost 1.3 GB that way)."""
+    if image.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        levels = np.empty((image.size[1], image.size[0]), dtype=np.uint8)
+        if image.mode.startswith("I;16"):
+            top = 65535
+        else:  # 32-bit int or float: its largest value says which range it holds
+            top = max((float(band.max()) for _, band in _bands(image)), default=0.0)
+        for start, band in _bands(image):
+            if image.mode == "F":  # 0..1 floats are scaled; larger ones are taken as levels
+                scaled = band * np.float32(255.0 if top <= 1.0 else 1.0)
+            else:  # round(v / top * 255), in integers: 16-bit, or 8-bit values in a 32-bit image
+                full = 65535 if image.mode.startswith("I;16") or top > 255 else 255
+                scaled = (band.astype(np.int64) * 255 + full // 2) // full
+            levels[start:start + band.shape[0]] = np.clip(scaled, 0, 255)
+        image = Image.fromarray(levels)
     return image.convert("RGB")
 
 

@@ -81,3 +81,54 @@ def test_open_checked_refuses_two_jpegs_when_concatenated_in_one_element():
 def test_apply_max_pixels_sets_pil_bound_when_given_parameters(monkeypatch, params, bound):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # restored after the test
     assert decoding.apply_max_pixels(params) == bound and Image.MAX_IMAGE_PIXELS == bound
+
+
+# The decode's own peak: the kernel's high-water mark of this process's RSS, reset just before it (clear_refs 5).
+_PEAK = """
+import sys
+from common.decoding import decode
+def kb(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key + ":"))
+data = sys.stdin.buffer.read()
+with open("/proc/self/clear_refs", "w") as refs:
+    refs.write("5")
+before = kb("VmRSS")
+image = decode(data)
+print(image.mode, image.size[0] * image.size[1], (kb("VmHWM") - before) // 1024, kb("VmHWM") // 1024)
+"""
+
+
+def test_decode_of_a_16_bit_photo_of_49m_pixels_stays_under_600_mb_when_it_is_a_tiny_png():
+    """Issue 42 A2: a 95 KB 16-bit grayscale PNG of 49 M pixels (under max_pixels) cost the preprocess stub 1.3 GB
+    through a float64 copy. Peak memory of the decode, measured in a process of its own (kernel's max RSS)."""
+    import io
+    import subprocess
+    import sys
+
+    side = 7000  # 49 M pixels, under DEFAULT_MAX_PIXELS (50 M)
+    buffer = io.BytesIO()
+    Image.new("I;16", (side, side), 40000).save(buffer, "PNG")
+    assert len(buffer.getvalue()) < 200_000
+    done = subprocess.run([sys.executable, "-c", _PEAK], input=buffer.getvalue(), capture_output=True, timeout=300,
+                          cwd=decoding.__file__.rsplit("/common/", 1)[0])
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    mode, pixels, grown_mb, peak_mb = done.stdout.decode().split()
+    assert (mode, int(pixels)) == ("RGB", side * side)
+    assert int(grown_mb) <= 600, f"decode grew the process by {grown_mb} MB (peak {peak_mb} MB)"
+
+
+@pytest.mark.parametrize("mode, values, expected", [
+    ("I;16", [0, 128, 257, 32767, 32768, 65535], [0, 0, 1, 127, 128, 255]),
+    ("I", [0, 1, 128, 255], [0, 1, 128, 255]),                     # 8-bit values in a 32-bit image: kept
+    ("I", [-5, 0, 32768, 65535, 70000], [0, 0, 128, 255, 255]),   # beyond 255: scaled as 16-bit, clipped
+    ("F", [-1.0, 0.0, 0.5, 1.0], [0, 0, 127, 255]),                # 0..1 floats scaled
+    ("F", [0.0, 100.0, 300.0], [0, 100, 255]),                     # beyond 1: taken as levels, clipped
+])
+def test_to_rgb_scales_16_bit_int_and_float_gray_to_8_bit_levels_when_given_each_mode(mode, values, expected):
+    import numpy as np
+
+    dtype = {"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]
+    image = Image.fromarray(np.array([values], dtype=dtype))
+    assert image.mode == mode
+    rgb = decoding.to_rgb(image)
+    assert rgb.mode == "RGB" and list(np.asarray(rgb)[0, :, 0]) == expected
