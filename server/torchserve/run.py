@@ -15,6 +15,7 @@ from common.procs import port_free
 from server.errors import ServerError
 from server.supervisor import Supervisor
 from server.torchserve.archives import ArchiveProblem
+from server.torchserve.bounded_http import BoundedHttpToolsProtocol
 from server.torchserve.inference import Inference
 from server.torchserve.management import Management
 from server.torchserve.metrics import Metrics
@@ -151,7 +152,7 @@ class Front:
         for api, app in apps.items():
             host, port = getattr(config, api)
             self.servers.append(uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                              access_log=False, http="httptools", lifespan="on",
+                                                              access_log=False, http=BoundedHttpToolsProtocol, lifespan="on",
                                                               timeout_keep_alive=120)))
         self.ready = threading.Event()
         self.failed: str | None = None

@@ -1,0 +1,91 @@
+"""What a client can make the TorchServe front spend before its request is read (issue 42 B1): the request line and
+headers are bounded in size (431) and in time (408), before any token check, on every one of its three ports; an
+honest request on the same front is answered meanwhile and afterwards."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from perf.serve import TorchServeFront
+from server.torchserve.bounded_http import HEAD_TIMEOUT_S, MAX_HEAD_BYTES
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("limits")
+    (folder / "store").mkdir()
+    started = TorchServeFront(folder / "front", model_store=str(folder / "store"))  # tokens on, TorchServe's default
+    yield started
+    started.stop()
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _ping(front, headers: dict | None = None) -> int:
+    """/ping with the inference key (token authorization is on, as TorchServe's default)."""
+    key = json.loads((front.folder / "key_file.json").read_text())["inference"]["key"]
+    request = urllib.request.Request(f"{front.inference_url}/ping",
+                                     headers={"Authorization": f"Bearer {key}", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return reply.status
+
+
+def _answer(sock: socket.socket, limit: float) -> bytes:
+    """What the server sent before it closed the connection (or `limit` seconds passed)."""
+    sock.settimeout(limit)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except (socket.timeout, ConnectionResetError):
+        pass
+    return received
+
+
+@pytest.mark.parametrize("port", ["inference_url", "management_url", "metrics_url"])
+def test_front_refuses_a_request_head_larger_than_the_bound_before_reading_the_rest(front, port):
+    """1 GiB of header lines on one connection took serve-repo from 80 to 1,266 MB, then OOM: now 431 at 64 KiB."""
+    rss = psutil.Process(front.process.pid).memory_info().rss
+    sent = 0
+    with socket.create_connection(_address(getattr(front, port)), timeout=60) as sock:
+        sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n")
+        line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+        try:
+            while sent < (64 << 20):  # the front closes long before 64 MiB
+                sock.sendall(line * 64)
+                sent += len(line) * 64
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = _answer(sock, 30)
+    assert sent < (32 << 20), sent  # refused long before 64 MiB (loopback's kernel buffers take a few MB more)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert psutil.Process(front.process.pid).memory_info().rss < rss + (100 << 20)
+    assert _ping(front) == 200
+
+
+def test_front_closes_a_connection_whose_request_head_does_not_arrive_in_time(front):
+    """A half-sent request stayed open 268 s (a byte at a time it burned a core): the head has HEAD_TIMEOUT_S."""
+    with socket.create_connection(_address(front.inference_url), timeout=60) as sock:
+        sock.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        began = time.monotonic()
+        answer = _answer(sock, HEAD_TIMEOUT_S + 50)
+        waited = time.monotonic() - began
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert HEAD_TIMEOUT_S - 1 <= waited < HEAD_TIMEOUT_S + 50
+    # A connection that sends nothing at all is closed as well.
+    with socket.create_connection(_address(front.management_url), timeout=60) as sock:
+        assert _answer(sock, HEAD_TIMEOUT_S + 50).startswith(b"HTTP/1.1 408 ")
+    assert _ping(front) == 200
+
+
+def test_front_reads_an_honest_request_whose_head_is_large_but_under_the_bound(front):
+    headers = {f"X-Header-{i}": "v" * 1000 for i in range(40)}  # 40 KB of headers, under 64 KiB
+    assert _ping(front, headers) == 200
