@@ -397,3 +397,39 @@ def test_a_full_job_queue_answers_503_at_once_and_the_rest_are_served_when_burst
     assert {(r["type"], r["message"].split(" has no worker")[0]) for r in refused} == {
         ("ServiceUnavailableException", f'Model "{NAME}"')}
     assert call("POST", url, photo, configured.keys["inference"])[0] == 200  # and it serves on
+
+
+def test_slow_bodies_do_not_fill_the_job_queue_and_are_cut_when_they_stall(configured):
+    """Issue 42 B2: connections holding a partial body were counted in the job queue before their body was read:
+    a few of them made every honest prediction 503. A request joins the queue once its body is read, as TorchServe's
+    (its frontend queues a request it has received whole); a body that stalls for the head's timeout is cut."""
+    import socket
+
+    from server.torchserve.bounded_http import HEAD_TIMEOUT_S
+
+    url, photo = f"{configured.inference_url}/predictions/{NAME}", PHOTO.read_bytes()
+    host, port = configured.inference_url.removeprefix("http://").split(":")
+    key = configured.keys["inference"]["Authorization"]
+    slow = []
+    for _ in range(12):  # more than job_queue_size 1 + the 8 one instance holds
+        sock = socket.create_connection((host, int(port)), timeout=60)
+        sock.sendall(f"POST /predictions/{NAME} HTTP/1.1\r\nHost: x\r\nAuthorization: {key}\r\n"
+                     "Content-Type: application/octet-stream\r\nContent-Length: 100000\r\n\r\n".encode() + b"0" * 10)
+        slow.append(sock)
+    try:
+        time.sleep(1)  # their heads are read (were they counted, the honest request below would be refused)
+        for _ in range(3):
+            assert call("POST", url, photo, configured.keys["inference"])[0] == 200
+        began = time.monotonic()
+        for sock in slow:  # each is closed once its body has stalled HEAD_TIMEOUT_S
+            sock.settimeout(HEAD_TIMEOUT_S + 50)
+            try:
+                while sock.recv(65536):
+                    pass
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - began < HEAD_TIMEOUT_S + 50
+    finally:
+        for sock in slow:
+            sock.close()
+    assert call("POST", url, photo, configured.keys["inference"])[0] == 200

@@ -6,7 +6,9 @@ time burned a core, and a half-sent request stayed open for minutes -- all befor
 application sees a request only once its headers are complete). Here, on each of the front's three ports:
   - a request line and headers over MAX_HEAD_BYTES: 431, and the connection closed, before more is parsed;
   - a request head that is not complete HEAD_TIMEOUT_S after its first byte (or after the connection opened):
-    408, closed.
+    408, closed;
+  - a body from which no byte arrives for HEAD_TIMEOUT_S: the connection is closed (the application, reading it,
+    sees the client gone). A request joins TorchServe's job queue only once its body is read (inference.py).
 TorchServe's own front (Netty) refuses heads over 8 KB; this bound is looser, so no client of TorchServe is refused.
 """
 from __future__ import annotations
@@ -43,8 +45,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_head = False
         self._cancel_head_timer()
         super().on_headers_complete()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._body_stalled)  # re-armed by each body byte
+
+    def on_body(self, body: bytes) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._body_stalled)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._cancel_head_timer()
         super().on_message_complete()
         self._reading_head, self._head_bytes, self._tail = True, 0, b""  # the timer starts with the next bytes
 
@@ -61,6 +71,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_timer = None
         if self._reading_head and not self.transport.is_closing():
             self._refuse(408, f"the request line and headers did not arrive within {HEAD_TIMEOUT_S:g} s")
+
+    def _body_stalled(self) -> None:
+        self._head_timer = None
+        if not self._reading_head and not self.transport.is_closing():
+            self.transport.close()
 
     def _refuse(self, status: int, why: str) -> None:
         """TorchServe's error body ({"code", "type", "message"}), then the connection is closed."""

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import numpy as np
 import tritonclient.http.aio as aioclient
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
@@ -115,11 +115,22 @@ class Inference:
             payload = await body_of(request, self.max_request_size)
         except TooLarge:
             return too_large()
+        except ClientDisconnect:  # gone, or cut by the front (a stalled body): no one reads an answer
+            return error(400, "the request's body did not arrive", "BadRequestException")
         if not payload:  # TorchServe's handler fails on it: the same answer as for any undecodable body
             return error(503, PREDICTION_FAILED, "InternalServerException")
+        model.queued += 1
+        try:
+            return await self._queued(model, payload, request)
+        finally:
+            model.queued -= 1
+
+    async def _queued(self, model, payload: bytes, request: Request) -> Response:
         # TorchServe's job queue: job_queue_size requests may wait beyond those its workers hold (a batch each);
-        # past that, 503 at once. Counted here: a Triton queue policy would bring back its batcher's 500 ms stall.
-        if model.pending > self.job_queue_size + model.batch_size * model.workers:
+        # past that, 503 at once. Counted here, once a request's body is read (as TorchServe queues a request it
+        # has received whole: slow bodies do not fill it), not by a Triton queue policy, which would bring back its
+        # batcher's 500 ms stall.
+        if model.queued > self.job_queue_size + model.batch_size * model.workers:
             return error(503, f'Model "{model.name}" has no worker to serve inference request. Please use scale '
                               "workers API to add workers. If this is a sequence inference, please check if it is "
                               "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")

@@ -125,7 +125,7 @@ class Management:
         workers = [{"id": str(9000 + i), "startTime": model.start_time, "status": "READY" if ready else "UNLOADING",
                     "memoryUsage": 0, "pid": stub.pid, "gpu": False, "gpuUsage": "N/A"}
                    for i, stub in enumerate(mine[:model.workers])]
-        queued = max(0, model.pending - model.batch_size * model.workers)  # beyond what the instances hold
+        queued = max(0, model.queued - model.batch_size * model.workers)  # beyond what the instances hold
         # TorchServe 0.12's 26 keys, in its order; those for features Triton's batching replaces keep its defaults
         return {"modelName": model.name, "modelVersion": model.version, "modelUrl": model.info.url,
                 "runtime": "python", "minWorkers": model.workers, "maxWorkers": model.workers,

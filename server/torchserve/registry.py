@@ -52,6 +52,7 @@ class Model:
                             + "Z")
     members: list[str] = field(default_factory=list)  # Triton model names, in load order
     pending: int = 0  # predictions this model was found for and not yet answered (counted by the event loop)
+    queued: int = 0  # of those, the ones whose body is read: TorchServe's job queue (a slow body is not in it)
 
     @property
     def handler(self) -> bool:
