@@ -433,3 +433,20 @@ def test_slow_bodies_do_not_fill_the_job_queue_and_are_cut_when_they_stall(confi
         for sock in slow:
             sock.close()
     assert call("POST", url, photo, configured.keys["inference"])[0] == 200
+
+
+def test_predictions_get_torchserves_503_not_a_traceback_while_triton_restarts(configured):
+    """Issue 42 B10: while Triton was down, predictions got Starlette's 500 (aiohttp's connection error uncaught)."""
+    import psutil
+
+    url, photo = f"{configured.inference_url}/predictions/{NAME}", PHOTO.read_bytes()
+    triton = [p for p in psutil.Process(configured.process.pid).children(recursive=True) if p.name() == "tritonserver"]
+    assert len(triton) == 1
+    triton[0].kill()
+    triton[0].wait(30)
+    statuses = [call("POST", url, photo, configured.keys["inference"])[0] for _ in range(5)]
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses  # the first ones meet Triton down
+    deadline = time.monotonic() + 300
+    while call("POST", url, photo, configured.keys["inference"])[0] != 200:  # serve-repo restarts Triton
+        assert time.monotonic() < deadline
+        time.sleep(1)

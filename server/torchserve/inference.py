@@ -15,6 +15,10 @@ from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
 from common.messages import first_line
+
+# Triton not answering at all (its port closed while serve-repo restarts it: aiohttp's connection errors are
+# OSErrors), or not within the response timeout.
+UNREACHABLE = (OSError, asyncio.TimeoutError)
 from server.torchserve.registry import NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply, too_large
 
@@ -149,6 +153,9 @@ class Inference:
                                              outputs=[aioclient.InferRequestedOutput("RESPONSE"),
                                                       aioclient.InferRequestedOutput("CONTENT_TYPE")],
                                              timeout=model.response_timeout * 1_000_000)
+        except UNREACHABLE as exc:  # Triton down (restarting): TorchServe's 503, never a traceback
+            self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
+            return error(503, PREDICTION_FAILED, "InternalServerException")
         except InferenceServerException as exc:
             reason = first_line(exc)
             self.log(f"prediction failed for {model.name}: {reason[:300]}")
@@ -167,7 +174,7 @@ class Inference:
             result = await self.client.infer(model.entry, [tensor],
                                              outputs=[aioclient.InferRequestedOutput("LOGITS")],
                                              timeout=model.response_timeout * 1_000_000)
-        except InferenceServerException as exc:
+        except (InferenceServerException, *UNREACHABLE) as exc:
             # TorchServe's answer names no reason; its log does, as serve-repo's does
             self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
             return error(503, PREDICTION_FAILED, "InternalServerException")
