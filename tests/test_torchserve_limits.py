@@ -89,3 +89,44 @@ def test_front_closes_a_connection_whose_request_head_does_not_arrive_in_time(fr
 def test_front_reads_an_honest_request_whose_head_is_large_but_under_the_bound(front):
     headers = {f"X-Header-{i}": "v" * 1000 for i in range(40)}  # 40 KB of headers, under 64 KiB
     assert _ping(front, headers) == 200
+
+
+def test_a_download_that_is_no_archive_or_is_cut_off_never_enters_the_model_store(tmp_path):
+    """Issue 42 B7: a garbage or cut-off download stayed in the store under its file name, and a later registration
+    of the same name from another host was served it."""
+    import http.server
+    import threading
+
+    from server.torchserve.archives import ArchiveProblem, locate
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.endswith("/cut.mar"):  # says 1 MB, sends 10 bytes of a zip, closes
+                self.send_response(200)
+                self.send_header("Content-Length", str(1 << 20))
+                self.end_headers()
+                self.wfile.write(b"PK\x03\x04" + b"\0" * 6)
+                self.wfile.flush()
+                self.connection.close()
+                return
+            body = b"not an archive at all"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    store = tmp_path / "store"
+    store.mkdir()
+    try:
+        for name in ("dup.mar", "cut.mar"):
+            with pytest.raises(ArchiveProblem) as refused:
+                locate(f"http://127.0.0.1:{httpd.server_port}/a/{name}", store)
+            assert refused.value.kind == "DownloadArchiveException", refused.value
+            assert sorted(path.name for path in store.iterdir()) == []  # nothing kept, not even a partial file
+    finally:
+        httpd.shutdown()

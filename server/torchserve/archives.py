@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import shutil
@@ -62,14 +63,20 @@ def _download(url: str, store: Path, max_bytes: int) -> Path:
     try:
         with urllib.request.urlopen(url, timeout=60) as reply, open(partial, "wb") as sink:
             total = 0
-            while chunk := reply.read(1 << 20):
+            while chunk := reply.read(1 << 20):  # a body cut short of its Content-Length raises IncompleteRead
                 total += len(chunk)
                 if total > max_bytes:
                     raise ArchiveProblem(f"Failed to download archive from: {url} (over {max_bytes:,} bytes)",
                                          kind="DownloadArchiveException")
                 sink.write(chunk)
+        # Only a whole archive enters the store (a later registration of the same file name would be served it).
+        if not zipfile.is_zipfile(partial):
+            raise ArchiveProblem(f"Failed to download archive from: {url} (not a model archive, or cut off)",
+                                 kind="DownloadArchiveException")
         os.replace(partial, target)
-    except (OSError, ValueError) as exc:
+    except ArchiveProblem:
+        raise
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         raise ArchiveProblem(f"Failed to download archive from: {url} ({first_line(exc)})",
                              kind="DownloadArchiveException") from None
     finally:
