@@ -61,9 +61,11 @@ def store(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def front(store):
+    # allowed_urls named explicitly: the test's web server is on loopback, which the default refuses
     started = TorchServeFront(store.parent / "front", "--trust-model-code", model_store=str(store),
                               enable_model_api="true", disable_token_authorization="true",
-                              max_request_size="3000000", foo_bar="1")
+                              max_request_size="3000000", foo_bar="1",
+                              allowed_urls=r"http://127\.0\.0\.1:[0-9]+/.*")
     yield started
     started.stop()
 
@@ -84,6 +86,9 @@ def reference(store, tmp_path_factory):
                    "twice": call("POST", f"{real.management_url}/models?url={NAME}.mar"),
                    "not an archive": call("POST", f"{real.management_url}/models?url=not-an-archive.mar"),
                    "missing archive": call("POST", f"{real.management_url}/models?url=missing.mar"),
+                   "relative path": call("POST", f"{real.management_url}/models?url=../{NAME}.mar"),
+                   "absolute path": call("POST", f"{real.management_url}/models?url={store}/{NAME}.mar"),
+                   "etc passwd": call("POST", f"{real.management_url}/models?url=/etc/passwd"),
                    "describe unknown": call("GET", f"{real.management_url}/models/nope"),
                    "ping": call("GET", f"{base}/ping"),
                    "list": call("GET", f"{real.management_url}/models?limit=1"),
@@ -147,6 +152,9 @@ def test_answers_and_errors_are_torchserves_when_compared_with_torchserve(front,
             "twice": call("POST", f"{front.management_url}/models?url={NAME}.mar"),
             "not an archive": call("POST", f"{front.management_url}/models?url=not-an-archive.mar"),
             "missing archive": call("POST", f"{front.management_url}/models?url=missing.mar"),
+            "relative path": call("POST", f"{front.management_url}/models?url=../{NAME}.mar"),
+            "absolute path": call("POST", f"{front.management_url}/models?url={store}/{NAME}.mar"),
+            "etc passwd": call("POST", f"{front.management_url}/models?url=/etc/passwd"),
             "describe unknown": call("GET", f"{front.management_url}/models/nope"),
             "ping": call("GET", f"{front.inference_url}/ping"),
             "list": call("GET", f"{front.management_url}/models?limit=1"),

@@ -125,8 +125,44 @@ def test_a_download_that_is_no_archive_or_is_cut_off_never_enters_the_model_stor
     try:
         for name in ("dup.mar", "cut.mar"):
             with pytest.raises(ArchiveProblem) as refused:
-                locate(f"http://127.0.0.1:{httpd.server_port}/a/{name}", store)
+                locate(f"http://127.0.0.1:{httpd.server_port}/a/{name}", store, allowed_urls=(r"http://127\.0\.0\.1:.*",))
             assert refused.value.kind == "DownloadArchiveException", refused.value
             assert sorted(path.name for path in store.iterdir()) == []  # nothing kept, not even a partial file
     finally:
         httpd.shutdown()
+
+
+def test_a_registration_url_stays_in_the_store_and_allowed_urls_and_off_this_machine_by_default(tmp_path):
+    """Issue 42 B8, with TorchServe 0.12's rules (checked against it in tests/test_torchserve_api.py): a path is a
+    file in the model store (`..` refused, an absolute path outside it not found), a URL must match allowed_urls, and an http(s)
+    URL to this machine (loopback, link-local, unspecified) is refused unless allowed_urls was configured."""
+    from server.torchserve.archives import ArchiveProblem, locate
+
+    store = tmp_path / "store"
+    (store / "sub").mkdir(parents=True)
+    (store / "sub" / "m.mar").write_bytes(b"PK")
+    (tmp_path / "outside.mar").write_bytes(b"PK")
+    assert locate("sub/m.mar", store) == store / "sub" / "m.mar"
+    assert locate(f"{store}/sub/m.mar", store) == store / "sub" / "m.mar"  # an absolute path in the store
+    (store / "link.mar").symlink_to(tmp_path / "outside.mar")
+    assert locate(f"file://{tmp_path}/outside.mar", store) == tmp_path / "outside.mar"  # TorchServe's default allows
+    refused = {
+        "../outside.mar": "Relative path is not allowed in url: ../outside.mar",
+        f"{tmp_path}/outside.mar": f"Model not found at: {tmp_path}/outside.mar",
+        "/sub/m.mar": "Model not found at: /sub/m.mar",
+        "link.mar": "Model not found at: link.mar",  # a link out of the store
+        "/etc/passwd": "Model not found at: /etc/passwd",  # as for a file that does not exist: nothing told
+        "http://127.0.0.1:8000/v2/models/m/config": "Given URL http://127.0.0.1:8000/v2/models/m/config does not "
+                                                    "match any allowed URL(s)",
+        "http://localhost/x.mar": "Given URL http://localhost/x.mar does not match any allowed URL(s)",
+        "http://169.254.169.254/latest/x.mar": "Given URL http://169.254.169.254/latest/x.mar does not match any "
+                                               "allowed URL(s)",
+        "http://[::1]/x.mar": "Given URL http://[::1]/x.mar does not match any allowed URL(s)",
+        "ftp://example.com/x.mar": "Given URL ftp://example.com/x.mar does not match any allowed URL(s)",
+    }
+    for url, message in refused.items():
+        with pytest.raises(ArchiveProblem) as problem:
+            locate(url, store)
+        assert (problem.value.status, str(problem.value), problem.value.kind) == (404, message, "ModelNotFoundException")
+    with pytest.raises(ArchiveProblem, match="does not match any allowed URL"):  # configured: only what it names
+        locate(f"file://{tmp_path}/outside.mar", store, allowed_urls=(r"https://models\.example\.com/.*",))

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import ipaddress
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,9 +27,9 @@ MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to t
 class ArchiveProblem(ValueError):
     """The url names no usable archive (TorchServe: 400/404); the message is one line."""
 
-    def __init__(self, message: str, status: int = 400, kind: str = "InvalidModelException"):
+    def __init__(self, message: str, status: int = 400, kind: str = "InvalidModelException", reason: str = ""):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.reason = status, kind, reason  # reason: for the log, never the client
 
 
 @dataclass(frozen=True)
@@ -40,18 +43,47 @@ class ArchiveInfo:
     sha256: str
 
 
-def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES) -> Path:
-    """The archive file `url` names: a file in the model store, a path, or an http(s) URL fetched into the store."""
-    scheme = urlsplit(url).scheme
-    if scheme in ("http", "https"):
-        return _download(url, store, max_bytes)
-    if scheme == "file":
-        url = urlsplit(url).path
-    candidate = Path(url)
-    path = candidate if candidate.is_absolute() else store / candidate
+# TorchServe's allowed_urls default (config.properties): what a registration's url may be, as whole-string regexes.
+DEFAULT_ALLOWED_URLS = ("file://.*", "http(s)?://.*")
+
+
+def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
+           allowed_urls: tuple[str, ...] | None = None) -> Path:
+    """The archive file `url` names, as TorchServe 0.12 resolves it: a path is a file in the model store (an absolute
+    one only where it lies in the store; `..` is refused); a file:// or http(s):// URL must match `allowed_urls`
+    (TorchServe's default where None), and an http(s) one is fetched into the store -- but not from a loopback,
+    link-local or unspecified address unless allowed_urls was configured (a registration must not reach this
+    machine's own services, Triton's private ports among them). Refusals say nothing of what exists there."""
+    if ".." in url:
+        raise ArchiveProblem(f"Relative path is not allowed in url: {url}", 404, "ModelNotFoundException")
+    if "://" in url:
+        patterns = allowed_urls or DEFAULT_ALLOWED_URLS
+        parts = urlsplit(url)
+        if not any(re.fullmatch(pattern, url) for pattern in patterns) or parts.scheme not in ("file", "http", "https") \
+                or (parts.scheme != "file" and allowed_urls is None and _own_machine(parts.hostname)):
+            raise ArchiveProblem(f"Given URL {url} does not match any allowed URL(s)", 404, "ModelNotFoundException")
+        if parts.scheme != "file":
+            return _download(url, store, max_bytes)
+        path = Path(parts.path)
+    else:  # a path: the store's (an absolute one only where it lies in the store, links followed)
+        path = store / url
+        if not path.resolve().is_relative_to(store.resolve()):
+            raise ArchiveProblem(f"Model not found at: {url}", 404, "ModelNotFoundException")
     if not path.is_file():
         raise ArchiveProblem(f"Model not found at: {url}", 404, "ModelNotFoundException")
     return path
+
+
+def _own_machine(host: str | None) -> bool:
+    """True where `host` is or resolves to a loopback, link-local or unspecified address (or does not resolve)."""
+    if not host:
+        return True
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False  # no address: the download fails as TorchServe's does
+    addresses = [ipaddress.ip_address(address.split("%")[0]) for address in found]
+    return any(a.is_loopback or a.is_link_local or a.is_unspecified for a in addresses)
 
 
 def _download(url: str, store: Path, max_bytes: int) -> Path:
@@ -71,14 +103,15 @@ def _download(url: str, store: Path, max_bytes: int) -> Path:
                 sink.write(chunk)
         # Only a whole archive enters the store (a later registration of the same file name would be served it).
         if not zipfile.is_zipfile(partial):
-            raise ArchiveProblem(f"Failed to download archive from: {url} (not a model archive, or cut off)",
-                                 kind="DownloadArchiveException")
+            raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                                 reason="not a model archive, or cut off")
         os.replace(partial, target)
     except ArchiveProblem:
         raise
     except (OSError, ValueError, http.client.HTTPException) as exc:
-        raise ArchiveProblem(f"Failed to download archive from: {url} ({first_line(exc)})",
-                             kind="DownloadArchiveException") from None
+        # TorchServe's message, without the reason (it would tell open ports from closed ones); the log has it.
+        raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                             reason=first_line(exc)) from None
     finally:
         partial.unlink(missing_ok=True)
     return target

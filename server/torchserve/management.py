@@ -52,6 +52,8 @@ class Management:
         except Conflict as exc:
             return error(409, str(exc))
         except ArchiveProblem as exc:
+            if exc.reason:  # what the client is not told (e.g. why a download failed)
+                self.registry.log(f"serve-repo: {exc} ({exc.reason})")
             return error(exc.status, str(exc), exc.kind)
         except ServerError as exc:
             return error(500, str(exc))

@@ -18,7 +18,7 @@ DEFAULTS = {
 }
 HONOURED = {"inference_address", "management_address", "metrics_address", "model_store", "load_models", "models",
             "enable_model_api", "default_workers_per_model", "max_request_size", "max_response_size",
-            "job_queue_size", "disable_token_authorization", "default_response_timeout"}
+            "job_queue_size", "disable_token_authorization", "default_response_timeout", "allowed_urls"}
 
 
 class PropertiesError(ValueError):
@@ -89,6 +89,7 @@ class Settings:
     token_auth: bool = True
     response_timeout: int = 120
     unsupported: list[str] = field(default_factory=list)  # keys of the file we do not act on
+    allowed_urls: tuple[str, ...] | None = None  # regexes a registration's URL must match (None: TorchServe's default)
 
 
 def _bool(value: str) -> bool:
@@ -140,5 +141,12 @@ def settings(path: Path | None) -> Settings:
             setattr(result, key, _int(entries[key], key, 1))
     if "default_response_timeout" in entries:
         result.response_timeout = _int(entries["default_response_timeout"], "default_response_timeout", 1)
+    if entries.get("allowed_urls", "").strip():  # TorchServe: comma-separated regexes, each matching a whole URL
+        result.allowed_urls = tuple(item.strip() for item in entries["allowed_urls"].split(",") if item.strip())
+        for pattern in result.allowed_urls:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise PropertiesError(f"allowed_urls={pattern}: not a regular expression ({exc})") from None
     result.unsupported = sorted(set(entries) - HONOURED)
     return result

@@ -76,6 +76,7 @@ class Registry:
         self.server, self.store, self.cache, self.log = server, store, cache, log
         self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
         self.response_timeout = response_timeout  # seconds, where a registration names none
+        self.allowed_urls: tuple[str, ...] | None = None  # config.properties' allowed_urls (None: TorchServe's default)
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
         self.defaults: dict[str, str] = {}  # name -> default version
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
@@ -97,7 +98,7 @@ class Registry:
     def register(self, url: str, name: str | None = None, batch_size: int | None = None,
                  max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
                  loaded_at_startup: bool = False) -> Model:
-        info = inspect(locate(url, self.store), url)
+        info = inspect(locate(url, self.store, allowed_urls=self.allowed_urls), url)
         name = name or info.name
         if not NAME.match(name):
             raise ArchiveProblem(f"Invalid model name: {name}: letters, digits, '_', '.' and '-' only")

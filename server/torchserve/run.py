@@ -109,6 +109,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
                      *(["--handler-path"] if args.handler_path else [])]
     registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
                         config.default_workers, config.job_queue_size, log, config.response_timeout)
+    registry.allowed_urls = config.allowed_urls
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
