@@ -166,3 +166,21 @@ def test_a_registration_url_stays_in_the_store_and_allowed_urls_and_off_this_mac
         assert (problem.value.status, str(problem.value), problem.value.kind) == (404, message, "ModelNotFoundException")
     with pytest.raises(ArchiveProblem, match="does not match any allowed URL"):  # configured: only what it names
         locate(f"file://{tmp_path}/outside.mar", store, allowed_urls=(r"https://models\.example\.com/.*",))
+
+
+def test_key_file_is_private_from_its_first_byte_and_replaces_a_link_put_in_its_place(tmp_path):
+    """Issue 42 (suspected, confirmed): key_file.json was written before its chmod 600, and through a symlink."""
+    import os
+    import stat
+
+    from server.torchserve.replies import Tokens
+
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("keep me\n")
+    key_file = tmp_path / "key_file.json"
+    key_file.symlink_to(elsewhere)
+    tokens = Tokens(key_file)
+    assert elsewhere.read_text() == "keep me\n"  # not written through the link
+    assert not key_file.is_symlink() and stat.S_IMODE(os.stat(key_file).st_mode) == 0o600
+    assert json.loads(key_file.read_text())["inference"]["key"] == tokens.keys["inference"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "key_file.json"]

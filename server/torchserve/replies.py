@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import secrets
 import time
 from pathlib import Path
@@ -46,8 +47,13 @@ class Tokens:
         self.keys = {}
         if path is not None:
             self.keys = {api: secrets.token_urlsafe(6) for api in ("management", "inference", "API")}
-            path.write_text(dumps({api: {"key": key} for api, key in self.keys.items()}))
-            path.chmod(0o600)
+            # Readable by this user only from its first byte, and never written through a link someone put there:
+            # a new file (0600) beside it, then renamed over it (a link at `path` is replaced, not followed).
+            partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+            handle = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(handle, "w") as sink:
+                sink.write(dumps({api: {"key": key} for api, key in self.keys.items()}))
+            os.replace(partial, path)
 
     def allowed(self, headers: dict[bytes, bytes], api: str) -> bool:
         if self.path is None:
