@@ -458,3 +458,41 @@ def test_predictions_get_torchserves_503_not_a_traceback_while_triton_restarts(c
     while call("POST", url, photo, configured.keys["inference"])[0] != 200:  # serve-repo restarts Triton
         assert time.monotonic() < deadline
         time.sleep(1)
+
+
+def test_registrations_from_a_dripping_server_leave_ping_describe_and_metrics_answering(front):
+    """Issue 42 B6: six registrations (synchronous=false) from a server sending a byte a second took every thread of
+    the pool /ping, describe and /metrics share: they stopped answering. Registrations run in threads of their own
+    now, and a download has an overall deadline."""
+    import http.server
+    import urllib.parse
+
+    stop = threading.Event()
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(10 << 20))
+            self.end_headers()
+            while not stop.wait(0.5):
+                self.wfile.write(b"P")
+                self.wfile.flush()
+
+        def log_message(self, *args):
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    web.daemon_threads = True
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        for i in range(10):
+            url = urllib.parse.quote(f"http://127.0.0.1:{web.server_address[1]}/drip{i}.mar", safe="")
+            status, body = call("POST", f"{front.management_url}/models?url={url}&synchronous=false")
+            assert status == 202, body
+        time.sleep(1)  # the downloads have begun
+        for url in (f"{front.inference_url}/ping", f"{front.management_url}/models", f"{front.metrics_url}/metrics"):
+            with urllib.request.urlopen(url, timeout=30) as reply:  # timed out before: no thread left for them
+                assert reply.status == 200
+    finally:
+        stop.set()
+        web.shutdown()

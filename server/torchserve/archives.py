@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 import zipfile
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from common.messages import first_line
 
 MANIFEST = "MAR-INF/MANIFEST.json"
 MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to this much
+DOWNLOAD_DEADLINE_S = 600  # and within this (a byte per minute would hold a thread for ever)
 
 
 class ArchiveProblem(ValueError):
@@ -93,16 +95,23 @@ def _download(url: str, store: Path, max_bytes: int) -> Path:
         return target  # TorchServe too: a url whose file is already in the store is not fetched again
     partial = Path(tempfile.mkstemp(prefix=".download-", dir=store)[1])
     try:
+        deadline = time.monotonic() + DOWNLOAD_DEADLINE_S
         with urllib.request.urlopen(url, timeout=60) as reply, open(partial, "wb") as sink:
             total = 0
-            while chunk := reply.read(1 << 20):  # a body cut short of its Content-Length raises IncompleteRead
+            # read1: what has arrived, so that the deadline is checked between reads even when bytes drip in (a body
+            # cut short of its Content-Length is caught below, or raises IncompleteRead)
+            while chunk := reply.read1(1 << 20):
+                if time.monotonic() > deadline:
+                    raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                                         reason=f"not done within {DOWNLOAD_DEADLINE_S} s")
                 total += len(chunk)
                 if total > max_bytes:
-                    raise ArchiveProblem(f"Failed to download archive from: {url} (over {max_bytes:,} bytes)",
-                                         kind="DownloadArchiveException")
+                    raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                                         reason=f"over {max_bytes:,} bytes")
                 sink.write(chunk)
+            declared = reply.headers.get("Content-Length")
         # Only a whole archive enters the store (a later registration of the same file name would be served it).
-        if not zipfile.is_zipfile(partial):
+        if declared and declared.isdigit() and int(declared) != total or not zipfile.is_zipfile(partial):
             raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
                                  reason="not a model archive, or cut off")
         os.replace(partial, target)

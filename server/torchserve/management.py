@@ -3,6 +3,8 @@ reload of the instance count), unregister and set-default, with TorchServe's par
 from __future__ import annotations
 
 import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -13,6 +15,8 @@ from server.errors import ServerError
 from server.torchserve.archives import ArchiveProblem
 from server.torchserve.registry import Conflict, Model, NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply
+
+CHANGE_THREADS = 8  # management changes at once (the registry builds one at a time; downloads run side by side)
 
 
 class BadParameter(ValueError):
@@ -41,6 +45,13 @@ class Management:
     def __init__(self, registry: Registry, enable_model_api: bool, server):
         self.registry, self.enable_model_api, self.server = registry, enable_model_api, server
         self._tasks: set[asyncio.Task] = set()
+        # Registrations, scaling and unregistering (downloads, builds) in threads of their own: slow ones never take
+        # the threads /ping, describe and /metrics need (asyncio's default pool, 6 threads on 2 cores).
+        self._changes = ThreadPoolExecutor(max_workers=CHANGE_THREADS, thread_name_prefix="torchserve-change")
+
+    async def _change(self, call, *args, **kwargs):
+        """`call` in a change thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._changes, functools.partial(call, *args, **kwargs))
 
     async def _guard(self, request: Request, handler) -> Response:
         try:
@@ -60,7 +71,7 @@ class Management:
 
     def _background(self, call, *args, **kwargs) -> None:
         """`call` off the event loop, answered already (synchronous=false): its failure goes to the log."""
-        task = asyncio.create_task(asyncio.to_thread(call, *args, **kwargs))
+        task = asyncio.create_task(self._change(call, *args, **kwargs))
         self._tasks.add(task)
 
         def done(finished: asyncio.Task) -> None:
@@ -89,7 +100,7 @@ class Management:
         if not _bool(request, "synchronous", True):
             self._background(self.registry.register, **args)
             return reply({"status": "Processing worker updates..."}, 202)
-        model = await asyncio.to_thread(self.registry.register, **args)
+        model = await self._change(self.registry.register, **args)
         return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
                                 "initial workers"})
 
@@ -150,7 +161,7 @@ class Management:
         if not _bool(request, "synchronous", False):
             self._background(self.registry.scale, model, workers)
             return reply({"status": "Processing worker updates..."}, 202)
-        await asyncio.to_thread(self.registry.scale, model, workers)
+        await self._change(self.registry.scale, model, workers)
         named = f", version: {model.version}" if request.path_params.get("version") else ""
         return reply({"status": f"Workers scaled to {workers} for model: {model.name}{named}"})
 
@@ -162,7 +173,7 @@ class Management:
         if request.path_params.get("version") and len(versions) > 1 and \
                 self.registry.defaults.get(model.name) == model.version:
             return error(403, f"Cannot remove default version for model {model.name}", "InvalidModelVersionException")
-        await asyncio.to_thread(self.registry.unregister, model)
+        await self._change(self.registry.unregister, model)
         return reply({"status": f'Model "{model.name}" unregistered'})
 
     async def set_default(self, request: Request) -> Response:
