@@ -55,7 +55,8 @@ def test_build_repo_writes_gpu_defaults_when_kind_is_gpu(tmp_path):
     assert config.max_batch_size == 64
     assert list(config.dynamic_batching.preferred_batch_size) == [1, 2, 4, 8, 16, 32, 64]
     assert config.dynamic_batching.max_queue_delay_microseconds == 200
-    assert [(g.kind, g.count) for g in config.instance_group] == [(mc.ModelInstanceGroup.KIND_GPU, 1)] * 2
+    # 4 instances: build-repo's GPU default since the H100 figures of 2026-11-27
+    assert [(g.kind, g.count) for g in config.instance_group] == [(mc.ModelInstanceGroup.KIND_GPU, 1)] * 4
     params = {k: v.string_value for k, v in config.parameters.items()}
     assert params["engine"] == "torch" and params["cuda_graphs"] == "1" and params["precision"] == "fp32"
     assert params["batch_buckets"] == "1,2,4,8,16,32,64"
