@@ -11,6 +11,7 @@ from pathlib import Path
 
 from common.cli import OneLineParser
 from common.procs import port_free
+from server import canary
 from server.procfs import KEPT_LOG_FOLDER
 from server.proxy import Proxy, ProxySettings, busy, exposed
 from server.supervisor import Supervisor
@@ -165,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     _print_kept_logs(server)
     for name, why in server.skipped.items():
         print(f"skipped {name}: {why}", flush=True)
+    try:  # Triton's READY means its stubs started, not that they answer (NumPy 2 under the r24.10 stub: empty)
+        print(canary.run(server).line(), flush=True)
+    except ServerError as exc:
+        server.stop(keep_log=True)
+        print(f"serve-repo: error: {exc}{_log_of(server)}", file=sys.stderr)
+        return 1
     proxy = None
     if use_proxy:
         proxy = Proxy(settings, server.http_url, server.grpc_url, f"127.0.0.1:{server.ports['metrics']}",

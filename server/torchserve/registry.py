@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common.modelconfig import read_config, to_text
+from server import canary
 from server.errors import ServerError
 from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build, inspect, locate
 from server.triton import TritonServer
@@ -140,6 +141,18 @@ class Registry:
         except ServerError as exc:
             self._remove(members)
             raise ArchiveProblem(f"Failed to load model {model.name}: {exc}", 500, "InternalServerException") from None
+        try:  # loaded is not answering: one checked request first (server/canary.py)
+            report = canary.run(self.server, models=members)
+        except ServerError as exc:
+            for member in reversed(members):  # the ensemble first, as unregister does
+                try:
+                    self.server.unload(member)
+                except ServerError:
+                    pass
+            self._wait_unloaded(members)
+            self._remove(members)
+            raise ArchiveProblem(f"Failed to load model {model.name}: {exc}", 500, "InternalServerException") from None
+        self.log(f"{model.name} {model.version}: {report.line()}")
         self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
 
     @staticmethod
@@ -168,6 +181,7 @@ class Registry:
             self.server.load(model.triton)
             self.server.loaded_anew(model.triton)
             model.workers = workers
+            canary.run(self.server, [model.triton], model.members)  # a wrong answer: 500, as a failed reload
 
     def unregister(self, model: Model) -> None:
         """Forget `model` at once (new requests: 404); Triton unloads it after what it holds is answered."""
