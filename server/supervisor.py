@@ -43,7 +43,8 @@ class Supervisor:
 
     def __init__(self, server: TritonServer, max_restarts: int = 5, poll_seconds: float = 0.25,
                  stable_seconds: float = 60, log: Callable[[str], None] = print, start_timeout: float = 600,
-                 max_unfreed: int = 4, unfreed_grace: float = 30, proxy=None):
+                 max_unfreed: int = 4, unfreed_grace: float = 30, proxy=None, canary: bool = True):
+        self.canary = canary  # a restart or a replacement counts once its models answered a checked request
         self.server = server
         self.proxy = proxy  # server.proxy.Proxy in front of the server, restarted when it dies
         self.max_restarts = max_restarts
@@ -117,7 +118,8 @@ class Supervisor:
             self.log(f"serve-repo: restart failed: {error}")
             return True  # the loop sees it not running and tries again (or gives up)
         try:
-            self._interruptible(lambda: canary.run(self.server))
+            if self.canary:
+                self._interruptible(lambda: canary.run(self.server))
         except ServerError as error:
             if stop.is_set():
                 return False
@@ -309,7 +311,8 @@ class Supervisor:
         """After `model` was loaded again: its canary (and its ensembles'). A wrong answer is a failed replacement,
         logged as one (never "ready again"); the model stays loaded as it is, as after a failed reload."""
         try:
-            self._interruptible(lambda: canary.run(self.server, [model]))
+            if self.canary:
+                self._interruptible(lambda: canary.run(self.server, [model]))
         except ServerError as error:
             if self._stop.is_set():
                 return False
