@@ -164,8 +164,16 @@ def run(server, changed: list[str] | None = None, models: list[str] | None = Non
     from server.triton import release_thread_hub
 
     started = time.monotonic()
-    configs = {name: server.model_config(name) for name in (server.loaded if models is None else models)}
     report = Report()
+    configs = {}
+    for name in server.loaded if models is None else models:
+        try:
+            configs[name] = server.model_config(name)
+        except ServerError as error:
+            if changed is None or name in changed:
+                raise
+            # Not ours to judge: e.g. an ensemble Triton unloaded when its step was loaded anew from a new build.
+            report.skipped[name] = f"not available now ({error})"
     chosen = targets(configs, changed)
     results: dict[str, str | None | CanaryFailed] = {}
 

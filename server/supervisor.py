@@ -310,9 +310,10 @@ class Supervisor:
     def _answered(self, model: str, started: float) -> bool:
         """After `model` was loaded again: its canary (and its ensembles'). A wrong answer is a failed replacement,
         logged as one (never "ready again"); the model stays loaded as it is, as after a failed reload."""
+        reports: list[canary.Report] = []
         try:
             if self.canary:
-                self._interruptible(lambda: canary.run(self.server, [model]))
+                self._interruptible(lambda: reports.append(canary.run(self.server, [model])))
         except ServerError as error:
             if self._stop.is_set():
                 return False
@@ -320,7 +321,8 @@ class Supervisor:
             self.log(f"serve-repo: {model}: replacement failed after {time.monotonic() - started:.1f}s: {error}")
             return False
         self.reloads += 1
-        self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
+        checked = f"; {reports[0].line()}" if reports else ""
+        self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s{checked}")
         return True
 
 
