@@ -43,7 +43,8 @@ class Report:
 
     def line(self) -> str:
         """The log line: which models answered right and in how long, which were skipped and why."""
-        text = f"canary: {', '.join(self.probed) or 'no model'} answered right ({self.seconds:.2f}s)"
+        text = (f"canary: {', '.join(self.probed)} answered right ({self.seconds:.2f}s)" if self.probed
+                else "canary: nothing probed")
         if self.through:
             text += "; " + ", ".join(f"{step} through {ensemble}" for step, ensemble in self.through.items())
         for model, why in self.skipped.items():

@@ -145,3 +145,11 @@ def test_torchserve_front_refuses_a_registration_with_500_when_its_model_answers
     assert f"Failed to load model {SMALL}: model {SMALL} answered wrong to the canary: LOGITS" in str(refused.value)
     assert registry.models == {} and SMALL not in server.loaded and not server.model_ready(SMALL)
     assert not (server.repository / SMALL).exists()
+
+
+def test_canary_line_says_what_was_not_probed_and_why():
+    report = canary.Report(["m", "m_image"], {"h": "input BODY is bytes of no declared test input"},
+                           {"m_preprocess": "m_image"}, 0.123)
+    assert report.line() == ("canary: m, m_image answered right (0.12s); m_preprocess through m_image; h not probed: "
+                             "input BODY is bytes of no declared test input")
+    assert canary.Report(skipped={"h": "why"}).line() == "canary: nothing probed; h not probed: why"
