@@ -11,6 +11,7 @@ from pathlib import Path
 
 from common.cli import OneLineParser
 from common.procs import port_free
+from server import canary
 from server.procfs import KEPT_LOG_FOLDER
 from server.proxy import Proxy, ProxySettings, busy, exposed
 from server.supervisor import Supervisor
@@ -84,6 +85,11 @@ def parser() -> argparse.ArgumentParser:
                         "on PATH; its numpy must be 1.x: checked before tritonserver starts). Default: "
                         "$SERVE_REPO_STUB_PYTHON, else this interpreter's folder's python3.")
     p.add_argument("--timeout", metavar="S", type=float, default=600, help="seconds to wait until ready. Default: 600.")
+    p.add_argument("--canary", choices=("on", "off"), default="on",
+                   help="on: before saying ready, and after a model is replaced or registered, send each model one "
+                        "request (zeros of its declared input, a tiny JPEG to NAME_image) and refuse one whose answer "
+                        "is empty, not finite or not of its declared shape and dtype (server/canary.py). off: for "
+                        "a model whose answer to zeros is legitimately not finite. Default: on.")
     ts = p.add_argument_group("TorchServe's API (instead of --repository: start as torchserve starts)")
     ts.add_argument("--torchserve-config", "--ts-config", metavar="FILE", type=Path,
                     help="TorchServe's config.properties: its inference, management and metrics addresses, "
@@ -170,6 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     _print_kept_logs(server)
     for name, why in server.skipped.items():
         print(f"skipped {name}: {why}", flush=True)
+    try:  # Triton's READY means its stubs started, not that they answer (NumPy 2 under the r24.10 stub: empty)
+        if args.canary == "on":
+            print(canary.run(server).line(), flush=True)
+    except ServerError as exc:
+        server.stop(keep_log=True)
+        print(f"serve-repo: error: {exc}{_log_of(server)}", file=sys.stderr)
+        return 1
     proxy = None
     if use_proxy:
         proxy = Proxy(settings, server.http_url, server.grpc_url, f"127.0.0.1:{server.ports['metrics']}",
@@ -190,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
               f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout,
                             log=lambda line: print(line, flush=True), max_unfreed=args.max_unfreed_instances,
-                            proxy=proxy)
+                            proxy=proxy, canary=args.canary == "on")
     status = supervisor.run(stop)
     if status:
         if proxy is not None:

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+from server import canary
 from server.triton import ServerError, TritonServer, release_thread_hub
 
 
@@ -42,7 +43,8 @@ class Supervisor:
 
     def __init__(self, server: TritonServer, max_restarts: int = 5, poll_seconds: float = 0.25,
                  stable_seconds: float = 60, log: Callable[[str], None] = print, start_timeout: float = 600,
-                 max_unfreed: int = 4, unfreed_grace: float = 30, proxy=None):
+                 max_unfreed: int = 4, unfreed_grace: float = 30, proxy=None, canary: bool = True):
+        self.canary = canary  # a restart or a replacement counts once its models answered a checked request
         self.server = server
         self.proxy = proxy  # server.proxy.Proxy in front of the server, restarted when it dies
         self.max_restarts = max_restarts
@@ -53,6 +55,8 @@ class Supervisor:
         self.restarts = 0            # in a row (reset once the server stayed up stable_seconds)
         self.total_restarts = 0
         self.reloads = 0
+        self.failed_reloads = 0      # replacements that loaded but answered their canary wrong (or not at all)
+        self._wrong: str | None = None  # why the last restart's canary failed: that restart counts as failed
         # Models whose dead stubs are being replaced: their new stub may be alive before Triton swapped it in (a
         # frozenset, rebound whole, for readers in other threads: the TorchServe API's /ping).
         self.replacing: frozenset[str] = frozenset()
@@ -88,6 +92,8 @@ class Supervisor:
     def _restart(self, stop: threading.Event) -> bool:
         self.server._reap()
         why = f"tritonserver died ({describe_exit(self.server.returncode)}): {self.server.last_words()}"
+        if self._wrong:
+            why, self._wrong = f"tritonserver restarted but {self._wrong}", None
         if time.monotonic() - self._started >= self.stable_seconds or self._planned:
             self.restarts = 0
         if self._planned:
@@ -111,6 +117,16 @@ class Supervisor:
                 return False
             self.log(f"serve-repo: restart failed: {error}")
             return True  # the loop sees it not running and tries again (or gives up)
+        try:
+            if self.canary:
+                self._interruptible(lambda: canary.run(self.server))
+        except ServerError as error:
+            if stop.is_set():
+                return False
+            self._wrong = str(error)
+            self.log(f"serve-repo: restart failed: {error}")
+            self.server.terminate()  # the loop sees it stopped and tries again (or gives up), as after a crash
+            return True
         self._started = time.monotonic()
         self.total_restarts += 1
         self.log(f"serve-repo: tritonserver ready again after {self._started - died:.1f}s "
@@ -260,8 +276,7 @@ class Supervisor:
                 self.reload_whole(model, started)
                 return
             self.server.loaded_anew(model)
-            self.reloads += 1
-            self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
+            self._answered(model, started)
             return
         self.log(f"serve-repo: {model}: {why}; replacing its instances (the model stays loaded)")
         try:
@@ -273,8 +288,7 @@ class Supervisor:
                 return
             self.log(f"serve-repo: {model}: replacing in place failed ({error}); reloading")
         else:
-            self.reloads += 1
-            self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
+            self._answered(model, started)
             return
         self.reload_whole(model, started)
 
@@ -291,8 +305,25 @@ class Supervisor:
             self.log(f"serve-repo: {model}: reload failed: {error}")
             return
         self.server.loaded_anew(model)
+        self._answered(model, started)
+
+    def _answered(self, model: str, started: float) -> bool:
+        """After `model` was loaded again: its canary (and its ensembles'). A wrong answer is a failed replacement,
+        logged as one (never "ready again"); the model stays loaded as it is, as after a failed reload."""
+        reports: list[canary.Report] = []
+        try:
+            if self.canary:
+                self._interruptible(lambda: reports.append(canary.run(self.server, [model])))
+        except ServerError as error:
+            if self._stop.is_set():
+                return False
+            self.failed_reloads += 1
+            self.log(f"serve-repo: {model}: replacement failed after {time.monotonic() - started:.1f}s: {error}")
+            return False
         self.reloads += 1
-        self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s")
+        checked = f"; {reports[0].line()}" if reports else ""
+        self.log(f"serve-repo: {model}: ready again after {time.monotonic() - started:.1f}s{checked}")
+        return True
 
 
 def renewed(config: dict, instance: str = "all") -> dict:

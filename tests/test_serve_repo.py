@@ -46,10 +46,13 @@ def test_serve_repo_stops_server_and_stubs_when_sent_sigterm(repository, tmp_pat
          "--grpc-port", ports[1], "--metrics-port", ports[2]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        ready = process.stdout.readline()
-        while ready.startswith("serve-repo: the log of a dead earlier run"):  # what an earlier killed run left
+        ready, before = process.stdout.readline(), []
+        # what an earlier killed run left, and the canary's line (server/canary.py) come before the ready line
+        while ready.startswith(("serve-repo: the log of a dead earlier run", "canary: ")):
+            before.append(ready)
             ready = process.stdout.readline()
         assert f"HTTP 127.0.0.1:{ports[0]}" in ready and f"gRPC 127.0.0.1:{ports[1]}" in ready
+        assert f"canary: {SMALL} answered right (" in before[-1], before
         assert _stubs_for(repo), "a python backend stub should be running"
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0

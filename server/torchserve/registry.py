@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common.modelconfig import read_config, to_text
+from server import canary
 from server.errors import ServerError
 from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build, inspect, locate
 from server.triton import TritonServer
@@ -72,7 +73,9 @@ class Model:
 
 class Registry:
     def __init__(self, server: TritonServer, store: Path, cache: Path, build_options: list[str],
-                 default_workers: int | None, job_queue_size: int, log=print, response_timeout: int = 120):
+                 default_workers: int | None, job_queue_size: int, log=print, response_timeout: int = 120,
+                 canary: bool = True):
+        self.canary = canary  # one checked request before a registration or a scale answers (server/canary.py)
         self.server, self.store, self.cache, self.log = server, store, cache, log
         self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
         self.response_timeout = response_timeout  # seconds, where a registration names none
@@ -142,6 +145,19 @@ class Registry:
         except ServerError as exc:
             self._remove(members)
             raise ArchiveProblem(f"Failed to load model {model.name}: {exc}", 500, "InternalServerException") from None
+        try:  # loaded is not answering: one checked request first (server/canary.py)
+            report = canary.run(self.server, models=members) if self.canary else None
+        except ServerError as exc:
+            for member in reversed(members):  # the ensemble first, as unregister does
+                try:
+                    self.server.unload(member)
+                except ServerError:
+                    pass
+            self._wait_unloaded(members)
+            self._remove(members)
+            raise ArchiveProblem(f"Failed to load model {model.name}: {exc}", 500, "InternalServerException") from None
+        if report is not None:
+            self.log(f"{model.name} {model.version}: {report.line()}")
         self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
 
     @staticmethod
@@ -170,6 +186,8 @@ class Registry:
             self.server.load(model.triton)
             self.server.loaded_anew(model.triton)
             model.workers = workers
+            if self.canary:
+                canary.run(self.server, [model.triton], model.members)  # a wrong answer: 500, as a failed reload
 
     def unregister(self, model: Model) -> None:
         """Forget `model` at once (new requests: 404); Triton unloads it after what it holds is answered."""

@@ -108,12 +108,13 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
                      *(["--trust-model-code"] if args.trust_model_code else []),
                      *(["--handler-path"] if args.handler_path else [])]
     registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
-                        config.default_workers, config.job_queue_size, log, config.response_timeout)
+                        config.default_workers, config.job_queue_size, log, config.response_timeout,
+                        canary=args.canary == "on")
     registry.allowed_urls = config.allowed_urls
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
-                            max_unfreed=args.max_unfreed_instances)
+                            max_unfreed=args.max_unfreed_instances, canary=args.canary == "on")
 
     def instances() -> dict[str, int]:
         """Live stubs per model; none for a model whose dead stub is being replaced: its new stub lives before
