@@ -132,7 +132,7 @@ def test_torchserve_front_refuses_a_registration_with_500_when_its_model_answers
 
     built = _wrong_repo(repository, tmp_path / "built", "nan")
     info = ArchiveInfo(tmp_path / "wrong.mar", "wrong.mar", SMALL, "1.0", "image_classifier", None, "0")
-    monkeypatch.setattr(registered, "locate", lambda url, store: info.path)
+    monkeypatch.setattr(registered, "locate", lambda url, store, **options: info.path)
     monkeypatch.setattr(registered, "inspect", lambda path, url: info)
     monkeypatch.setattr(registered, "build", lambda *args, **options: built)
     (tmp_path / "served").mkdir()
