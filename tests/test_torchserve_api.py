@@ -13,15 +13,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from PIL import Image
 
 from perf import torchserve
 from perf.serve import TorchServeFront
+from server.procfs import stubs_of
 from test_handler import BATCHING, JSON_HANDLER, _archive
 from support import ROOT
 
@@ -64,7 +67,7 @@ def front(store):
     # allowed_urls named explicitly: the test's web server is on loopback, which the default refuses
     started = TorchServeFront(store.parent / "front", "--trust-model-code", model_store=str(store),
                               enable_model_api="true", disable_token_authorization="true",
-                              max_request_size="3000000", foo_bar="1",
+                              max_request_size="3000000", max_workers_per_model="2", foo_bar="1",
                               allowed_urls=r"http://127\.0\.0\.1:[0-9]+/.*")
     yield started
     started.stop()
@@ -105,6 +108,8 @@ def reference(store, tmp_path_factory):
             answers[key] = call("POST", f"{base}/predictions/jsonsum", sent, {"Content-Type": "application/json"})
     with torchserve.started(folder / "off", store / f"{NAME}.mar", workers=1) as real:  # the model API off
         answers["model api off"] = call("POST", f"{real.management_url}/models?url={NAME}.mar")
+        answers["scale, model api off"] = call("PUT", f"{real.management_url}/models/{NAME}?min_worker=1&max_worker=1"
+                                                      "&synchronous=true")
     return answers
 
 
@@ -271,6 +276,26 @@ def test_scaling_1_2_1_under_traffic_loses_nothing_when_done_by_live_reload(fron
     assert len(answers) > 8 and {status for _, status in answers} == {200}
 
 
+def _stubs(front) -> Counter:
+    """The live python-backend stubs serving an instance under the front's tritonserver, by Triton model."""
+    triton = next(p for p in psutil.Process(front.process.pid).children(recursive=True)
+                  if p.name().startswith("tritonserver"))
+    return Counter(stub.model for stub in stubs_of(triton.pid) if stub.alive and stub.serves)
+
+
+def test_workers_over_max_workers_per_model_are_refused_with_400_and_nothing_starts_when_asked_for(front):
+    """`front` runs with max_workers_per_model=2: a scale or a registration asking for 3 is refused at once."""
+    before = _stubs(front)
+    status, body = call("PUT", f"{front.management_url}/models/{NAME}?min_worker=3&max_worker=3&synchronous=true")
+    assert (status, json.loads(body)["type"]) == (400, "BadRequestException"), body
+    assert json.loads(body)["message"] == "Invalid min_worker: 3 is over max_workers_per_model=2"
+    status, body = call("POST", f"{front.management_url}/models?url={NAME}.mar&model_name=many&initial_workers=3")
+    assert (status, json.loads(body)["message"]) == (400, "Invalid initial_workers: 3 is over max_workers_per_model=2")
+    assert call("GET", f"{front.management_url}/models/many")[0] == 404
+    described = _describe(front)
+    assert described["minWorkers"] == len(described["workers"]) == 1 and _stubs(front) == before
+
+
 def test_ping_says_unhealthy_while_a_worker_is_dead_and_healthy_once_replaced_when_its_stub_is_killed(front):
     pid = _describe(front)["workers"][0]["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -342,6 +367,41 @@ def test_a_second_version_is_served_beside_the_first_and_set_default_as_torchser
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[1] == three[1]
 
 
+def test_an_archives_min_workers_are_capped_and_described_as_run_when_over_max_workers_per_model(front, store):
+    """After the second-version test (resnet-18 3.0 alone): version 3_0's model-config.yaml asks for minWorkers 10;
+    max_workers_per_model=2 gives it 2 classifier and at most 2 decoding stubs, and describe says 2."""
+    other = torchserve.resnet_archive(store.parent / "v3_0", NAME, None, None, 10, arch="resnet18", fc_scale=0.01,
+                                      seed=2, version="3_0")
+    shutil.copy(other, store / "resnet-18-v3_0.mar")
+    before = _stubs(front)
+    status, body = call("POST", f"{front.management_url}/models?url=resnet-18-v3_0.mar")
+    assert status == 200, body
+    described = _describe(front, f"{NAME}/3_0")
+    assert described["minWorkers"] == described["maxWorkers"] == len(described["workers"]) == 2
+    assert sorted((_stubs(front) - before).values()) == [2, 2]  # its classifier's and its decoder's stubs
+
+
+def test_versions_and_names_alike_once_sanitized_are_served_and_unregistered_apart_when_registered(front, reference):
+    """After the minWorkers test: 3.0 and 3_0 (other weights) are both registered; then the custom handler's archive
+    (made by `reference`) as resnet-18_v3_0_image, the name 3.0's image model had when '.' and '_' were both '_'."""
+    photo, url = PHOTO.read_bytes(), f"{front.inference_url}/predictions/{NAME}"
+    three, three_ = (call("POST", f"{url}/{version}", photo) for version in ("3.0", "3_0"))
+    assert three[0] == three_[0] == 200 and json.loads(three[1]) != json.loads(three_[1])
+    other = f"{NAME}_v3_0_image"
+    status, body = call("POST", f"{front.management_url}/models?url=jsonsum.mar&model_name={other}&initial_workers=1")
+    assert status == 200, body
+    summed = call("POST", f"{front.inference_url}/predictions/{other}", b'{"values": [1]}',
+                  {"Content-Type": "application/json"})
+    assert summed[0] == 200 and json.loads(summed[1])["sum"] == 3
+    assert call("POST", f"{url}/3.0", photo) == three and call("POST", f"{url}/3_0", photo) == three_
+    assert call("DELETE", f"{front.management_url}/models/{NAME}/3_0")[0] == 200
+    assert call("DELETE", f"{front.management_url}/models/{other}")[0] == 200
+    assert call("POST", f"{url}/3.0", photo) == three and call("POST", url, photo) == three
+    assert call("GET", f"{front.inference_url}/ping")[0] == 200
+    versions = json.loads(call("GET", f"{front.management_url}/models/{NAME}/all")[1])
+    assert [v["modelVersion"] for v in versions] == ["3.0"]
+
+
 def test_handler_path_serves_torchserves_own_image_classifier_with_torchserves_answer_when_asked(store, reference):
     """serve-repo --handler-path: the archive's image_classifier handler itself, in Triton's stub, batched by Triton."""
     handled = TorchServeFront(store.parent / "handler-path", "--handler-path", "--trust-model-code",
@@ -392,6 +452,21 @@ def test_tokens_guard_each_api_as_torchserves_when_on(configured):
 def test_model_api_is_off_unless_enabled_and_answers_as_torchserve_when_off(configured, reference):
     off = call("POST", f"{configured.management_url}/models?url={NAME}.mar", headers=configured.keys["management"])
     assert off == reference["model api off"]
+
+
+def test_scaling_with_the_model_api_off_answers_as_torchserve_within_max_workers_per_model_when_asked(configured,
+                                                                                                   reference):
+    """TorchServe 0.12 scales with the model API off (only registering and unregistering are refused); so does
+    serve-repo, up to max_workers_per_model (default: the CPU count)."""
+    scale = f"{configured.management_url}/models/{NAME}?synchronous=true&"
+    headers = configured.keys["management"]
+    assert call("PUT", scale + "min_worker=1&max_worker=1", headers=headers) == reference["scale, model api off"]
+    cap = os.cpu_count() or 1
+    status, body = call("PUT", scale + f"min_worker={cap + 1}", headers=headers)
+    assert (status, json.loads(body)["message"]) == (
+        400, f"Invalid min_worker: {cap + 1} is over max_workers_per_model={cap}"), body
+    described = json.loads(call("GET", f"{configured.management_url}/models/{NAME}", headers=headers)[1])[0]
+    assert described["minWorkers"] == len(described["workers"]) == 1
 
 
 def test_a_full_job_queue_answers_503_at_once_and_the_rest_are_served_when_bursting(configured):

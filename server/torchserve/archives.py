@@ -24,6 +24,7 @@ from common.messages import first_line
 MANIFEST = "MAR-INF/MANIFEST.json"
 MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to this much
 DOWNLOAD_DEADLINE_S = 600  # and within this (a byte per minute would hold a thread for ever)
+MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml larger than this is not read for its minWorkers
 
 
 class ArchiveProblem(ValueError):
@@ -43,6 +44,7 @@ class ArchiveInfo:
     handler: str
     labels: dict[str, str] | None  # index_to_name.json as TorchServe's handlers read it
     sha256: str
+    min_workers: int | None = None  # model-config.yaml's minWorkers where TorchServe takes it (_archive_workers)
 
 
 # TorchServe's allowed_urls default (config.properties): what a registration's url may be, as whole-string regexes.
@@ -137,12 +139,35 @@ def inspect(path: Path, url: str) -> ArchiveInfo:
             model = json.loads(archive.read(MANIFEST)).get("model") or {}
             names = set(archive.namelist())
             labels = json.loads(archive.read("index_to_name.json")) if "index_to_name.json" in names else None
+            config = str(model.get("configFile") or "model-config.yaml") if isinstance(model, dict) else ""
+            small = config in names and archive.getinfo(config).file_size <= MAX_CONFIG_BYTES
+            settings = _yaml(archive.read(config)) if small else {}
     except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError):
         raise ArchiveProblem(f"Model name is not defined: {url} is not a model archive (.mar)") from None
     if not isinstance(model, dict) or not model.get("modelName"):
         raise ArchiveProblem("Model name is not defined.")
     return ArchiveInfo(path, url, str(model["modelName"]), str(model.get("modelVersion") or "1.0"),
-                       str(model.get("handler") or ""), _labels(labels), digest.hexdigest())
+                       str(model.get("handler") or ""), _labels(labels), digest.hexdigest(),
+                       _archive_workers(settings))
+
+
+def _yaml(text: bytes) -> dict:
+    """model-config.yaml as TorchServe reads it; {} where it is not a YAML mapping (build-repo names the fault)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _archive_workers(settings: dict) -> int | None:
+    """minWorkers where TorchServe 0.12 registers with it (ApiUtils.handleRegister: over initial_workers): a positive
+    minWorkers with a maxWorkers at least as large."""
+    low, high = (settings.get(key) for key in ("minWorkers", "maxWorkers"))
+    numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high))
+    return low if numbers and 0 < low <= high else None
 
 
 def _labels(mapping) -> dict[str, str] | None:

@@ -36,6 +36,13 @@ def _int(request: Request, key: str, default: int | None = None, least: int = 0)
     return number
 
 
+def _bounded(key: str, number: int | None, most: int) -> int | None:
+    """A worker count asked for: refused (400) above max_workers_per_model, never clamped in silence."""
+    if number is not None and number > most:
+        raise BadParameter(f"Invalid {key}: {number} is over max_workers_per_model={most}")
+    return number
+
+
 def _bool(request: Request, key: str, default: bool) -> bool:
     value = request.query_params.get(key)
     return default if value is None else value.strip().lower() == "true"
@@ -91,7 +98,7 @@ class Management:
         url = request.query_params.get("url")
         if not url:
             raise BadParameter("Parameter url is required.")
-        workers = _int(request, "initial_workers", None, 0)
+        workers = _bounded("initial_workers", _int(request, "initial_workers", None, 0), self.registry.max_workers)
         args = dict(url=url, name=request.query_params.get("model_name") or None,
                     batch_size=_int(request, "batch_size", None, 1),
                     max_batch_delay=_int(request, "max_batch_delay", None, 0),
@@ -153,10 +160,13 @@ class Management:
 
     async def scale(self, request: Request) -> Response:
         model = self._selected(request)[0]
+        # As TorchServe 0.12, with the model API off too (it refuses registering and unregistering only); what runs
+        # is min_worker (Triton keeps a fixed instance count), so min_worker is what max_workers_per_model bounds.
         low = _int(request, "min_worker", model.workers, 0)
         high = _int(request, "max_worker", max(low, model.workers), 0)
         if low > high:
             raise BadParameter("max_worker cannot be less than min_worker.")
+        _bounded("min_worker", low, self.registry.max_workers)
         workers = max(low, 1)
         if not _bool(request, "synchronous", False):
             self._background(self.registry.scale, model, workers)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,12 @@ DEFAULTS = {
 }
 HONOURED = {"inference_address", "management_address", "metrics_address", "model_store", "load_models", "models",
             "enable_model_api", "default_workers_per_model", "max_request_size", "max_response_size",
-            "job_queue_size", "disable_token_authorization", "default_response_timeout", "allowed_urls"}
+            "job_queue_size", "disable_token_authorization", "default_response_timeout", "allowed_urls",
+            "max_workers_per_model"}
+# serve-repo's own key (TorchServe has no bound): the most workers (classifier stubs) one model version may run, and
+# its decoder as many at most; an archive's minWorkers, models= and default_workers_per_model above it are clamped,
+# initial_workers / min_worker above it refused (400). Default: the CPU count, TorchServe's default_workers_per_model.
+DEFAULT_MAX_WORKERS = os.cpu_count() or 1
 
 
 class PropertiesError(ValueError):
@@ -83,6 +89,7 @@ class Settings:
     models: dict = field(default_factory=dict)  # name -> version -> {marName, batchSize, ...}
     enable_model_api: bool = False
     default_workers: int | None = None
+    max_workers: int = DEFAULT_MAX_WORKERS  # max_workers_per_model
     max_request_size: int = DEFAULTS["max_request_size"]
     max_response_size: int = DEFAULTS["max_response_size"]
     job_queue_size: int = DEFAULTS["job_queue_size"]
@@ -136,6 +143,8 @@ def settings(path: Path | None) -> Settings:
     result.token_auth = not _bool(entries.get("disable_token_authorization", "false"))
     if "default_workers_per_model" in entries:
         result.default_workers = _int(entries["default_workers_per_model"], "default_workers_per_model", 1)
+    if "max_workers_per_model" in entries:
+        result.max_workers = _int(entries["max_workers_per_model"], "max_workers_per_model", 1)
     for key in ("max_request_size", "max_response_size", "job_queue_size"):
         if key in entries:
             setattr(result, key, _int(entries[key], key, 1))

@@ -1,8 +1,10 @@
-"""The registered models: TorchServe's (name, version) entries, each served by Triton as NAME, NAME_preprocess,
-NAME_image built by build-repo; registered, scaled (a live reload) and unregistered through Triton's repository
-API, never a restart."""
+"""The registered models: TorchServe's (name, version) entries, each served by Triton as BASE, BASE_preprocess,
+BASE_image built by build-repo (BASE: the name, else NAME_vVERSION, else with a hash: never another entry's);
+registered, scaled (a live reload, up to max_workers) and unregistered through Triton's repository API, never a
+restart."""
 from __future__ import annotations
 
+import hashlib
 import re
 import shutil
 import threading
@@ -21,6 +23,25 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 # TorchServe's handlers decode with PIL's own bound: an error past twice Image.MAX_IMAGE_PIXELS (89,478,485), a
 # warning below. The models built for its API decode what TorchServe decodes (build-repo's default is 50 M).
 TORCHSERVE_MAX_PIXELS = 2 * 89_478_485
+# What build-repo may add to BASE (the onnx/torchscript exports with --formats): a registration's Triton names are
+# BASE plus each of these, and no two registrations may share one.
+SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript")
+
+
+def triton_names(base: str) -> set[str]:
+    return {base + suffix for suffix in SUFFIXES}
+
+
+def triton_base(name: str, version: str, first: bool, taken: set[str]) -> str | None:
+    """The Triton name of (name, version): `name` for a name's first version, else NAME_vVERSION with each character
+    outside [A-Za-z0-9] as '_'; where one of its names is `taken` (another version or model sanitized alike: "2.0"
+    and "2_0", or a model named m_image beside m) a hash of (name, version) is appended. None: even that is taken."""
+    readable = name if first else f"{name}_v{re.sub(r'[^A-Za-z0-9]', '_', version)}"[:160]
+    digest = hashlib.sha256(f"{name}\0{version}".encode()).hexdigest()
+    for base in (readable, f"{readable}_{digest[:8]}", f"{readable}_{digest[:32]}"):
+        if not triton_names(base) & taken:
+            return base
+    return None
 
 
 class Conflict(ValueError):
@@ -43,7 +64,7 @@ class Model:
     name: str
     version: str
     info: ArchiveInfo
-    triton: str  # NAME of the three Triton models
+    triton: str  # BASE of the Triton models (triton_base)
     batch_size: int
     max_batch_delay: int
     workers: int
@@ -74,10 +95,11 @@ class Model:
 class Registry:
     def __init__(self, server: TritonServer, store: Path, cache: Path, build_options: list[str],
                  default_workers: int | None, job_queue_size: int, log=print, response_timeout: int = 120,
-                 canary: bool = True):
+                 max_workers: int = 1, canary: bool = True):
         self.canary = canary  # one checked request before a registration or a scale answers (server/canary.py)
         self.server, self.store, self.cache, self.log = server, store, cache, log
         self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
+        self.max_workers = max_workers  # max_workers_per_model: what any registration or scale may start
         self.response_timeout = response_timeout  # seconds, where a registration names none
         self.allowed_urls: tuple[str, ...] | None = None  # config.properties' allowed_urls (None: TorchServe's default)
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
@@ -110,8 +132,12 @@ class Registry:
                 raise Conflict(f"Model version {info.version} is already registered for model {name}")
             batch = batch_size or 1  # TorchServe's defaults when the request names none
             delay = 100 if max_batch_delay is None else max_batch_delay
-            count = workers or self.default_workers or 1
-            triton = name if name not in self.models else f"{name}_v{re.sub(r'[^A-Za-z0-9]', '_', info.version)}"
+            # TorchServe's order: the archive's minWorkers over initial_workers over default_workers_per_model
+            count = self._bounded(info.min_workers or workers or self.default_workers or 1, name, info.version)
+            taken = set().union(*(triton_names(m.triton) for m in self.all()))
+            triton = triton_base(name, info.version, name not in self.models, taken)
+            if triton is None:
+                raise Conflict(f"Model version {info.version} of model {name}: its Triton model names are taken")
             # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall (docs/performance.md);
             # job_queue_size is bounded in the front instead (Model.pending).
             options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay)]
@@ -121,6 +147,14 @@ class Registry:
             self.models.setdefault(name, {})[info.version] = model
             self.defaults.setdefault(name, info.version)
             return model
+
+    def _bounded(self, workers: int, name: str, version: str) -> int:
+        """`workers` up to max_workers_per_model: the API refuses more (400); an archive's minWorkers, models= and
+        default_workers_per_model are clamped, said once in the log."""
+        if workers > self.max_workers:
+            self.log(f"{name} {version}: {workers} workers asked for, {self.max_workers} started "
+                     f"(max_workers_per_model={self.max_workers})")
+        return min(workers, self.max_workers)
 
     def _serve(self, model: Model, built: Path) -> None:
         """Link the built models into the served repository and load them (the ensemble last)."""
@@ -134,9 +168,10 @@ class Registry:
                 if item.name == "config.pbtxt":
                     continue
                 (target / item.name).symlink_to(item.resolve(), target_is_directory=item.is_dir())
+            # The classifier runs `workers` instances; its decoder (NAME_preprocess) as built, but never more.
             self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
                                model.workers if member == model.triton else None,
-                               wait=member == model.triton)
+                               wait=member == model.triton, at_most=model.workers)
         model.members = members
         try:
             for member in members:
@@ -161,15 +196,19 @@ class Registry:
         self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
 
     @staticmethod
-    def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True) -> None:
-        """`source` as served here: TorchServe's pixel bound, `instances` of the first group's kind, and no batch
-        delay where not `wait`: a request waits max_batch_delay once, as under TorchServe, in the classifier's
-        batcher; the decoding model batches what queued while it was busy and waits for nothing (with the delay in
-        both, a prediction at concurrency 1 waited it twice)."""
+    def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
+                      at_most: int | None = None) -> None:
+        """`source` as served here: TorchServe's pixel bound, `instances` (else as built, up to `at_most`) of the
+        first group's kind, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
+        TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
+        for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
         config = read_config(source)
         if not wait and config.HasField("dynamic_batching"):
             config.dynamic_batching.max_queue_delay_microseconds = 0
         config.parameters["max_pixels"].string_value = str(TORCHSERVE_MAX_PIXELS)
+        built = sum(group.count or 1 for group in config.instance_group)
+        if instances is None and at_most is not None and built > at_most:
+            instances = at_most
         if instances is not None:
             group = config.instance_group[0] if config.instance_group else None
             kind = group.kind if group is not None else 0

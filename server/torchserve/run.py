@@ -107,9 +107,12 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
                      *(["--engine", args.engine] if args.engine else []),
                      *(["--trust-model-code"] if args.trust_model_code else []),
                      *(["--handler-path"] if args.handler_path else [])]
+    if (config.default_workers or 0) > config.max_workers:
+        log(f"config.properties: default_workers_per_model={config.default_workers} is over max_workers_per_model="
+            f"{config.max_workers}: {config.max_workers} per model")
     registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
                         config.default_workers, config.job_queue_size, log, config.response_timeout,
-                        canary=args.canary == "on")
+                        config.max_workers, canary=args.canary == "on")
     registry.allowed_urls = config.allowed_urls
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)

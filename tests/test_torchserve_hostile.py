@@ -1,0 +1,80 @@
+"""The TorchServe front's bounds against hostile clients, without a server: Triton names that no two registrations
+share, the workers an archive may ask for, max_workers_per_model. Served end to end in tests/test_torchserve_api.py."""
+import hashlib
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from server.torchserve.archives import inspect
+from server.torchserve.properties import PropertiesError, settings
+from server.torchserve.registry import triton_base, triton_names
+
+# Registered in this order: each pair sanitizes alike, or one's name is another's name plus a suffix Triton's
+# names get (`_image`, `_preprocess`, `_vN`), or a hostile name taking the next one's hashed name in advance.
+HOSTILE = [("m", "1.0"), ("m", "2.0"), ("m", "2_0"), ("m", "2-0"), ("m_image", "1.0"), ("m_preprocess", "1.0"),
+           ("m_v2_0", "1.0"), ("m_v2_0_image", "1.0"), ("m_v3", "1.0"), ("m", "3"), ("n_image", "1.0"), ("n", "1.0"),
+           ("m", "2_0_" + "a" * 200), ("m", "2_0_" + "a" * 201)]
+
+
+def _register(entries: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    bases, names = {}, set()
+    for name, version in entries:
+        first = not any(n == name for n, _ in bases)
+        base = triton_base(name, version, first, set().union(*(triton_names(b) for b in bases.values())))
+        assert base is not None, (name, version)
+        bases[(name, version)] = base
+    return bases
+
+
+def test_triton_names_of_registrations_never_overlap_when_they_sanitize_or_suffix_alike():
+    bases = _register(HOSTILE)
+    for key, base in bases.items():
+        others = set().union(*(triton_names(b) for k, b in bases.items() if k != key))
+        assert not triton_names(base) & others, (key, base)
+    assert bases[("m", "1.0")] == "m" and bases[("m", "2.0")] == "m_v2_0" and bases[("n_image", "1.0")] == "n_image"
+    assert bases[("m", "2_0")].startswith("m_v2_0_") and bases[("n", "1.0")].startswith("n_")
+
+
+def test_triton_base_keeps_the_readable_names_when_nothing_collides():
+    assert triton_base("resnet-18", "2.0", True, set()) == "resnet-18"
+    assert triton_base("resnet-18", "3.0", False, triton_names("resnet-18")) == "resnet-18_v3_0"
+
+
+def test_triton_base_is_none_when_every_candidate_is_taken():
+    digest = hashlib.sha256(b"m\x002.0").hexdigest()
+    candidates = ["m_v2_0", f"m_v2_0_{digest[:8]}", f"m_v2_0_{digest[:32]}"]
+    taken = set().union(*(triton_names(base) for base in candidates))
+    assert triton_base("m", "2.0", False, taken - triton_names(candidates[2])) == candidates[2]
+    assert triton_base("m", "2.0", False, taken) is None
+
+
+def _mar(folder: Path, config: str | None) -> Path:
+    path = folder / "m.mar"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("MAR-INF/MANIFEST.json", json.dumps({"model": {"modelName": "m", "modelVersion": "1.0",
+                                                                         "handler": "image_classifier"}}))
+        if config is not None:
+            archive.writestr("model-config.yaml", config)
+    return path
+
+
+@pytest.mark.parametrize("config, workers", [(None, None), ("minWorkers: 10\nmaxWorkers: 10\n", 10),
+                                             ("minWorkers: 10\n", None), ("minWorkers: 4\nmaxWorkers: 2\n", None),
+                                             ("minWorkers: 0\nmaxWorkers: 2\n", None), ("minWorkers: [1]\n", None),
+                                             ("{{{not yaml", None)])
+def test_inspect_takes_an_archives_min_workers_where_torchserve_registers_with_them(tmp_path, config, workers):
+    assert inspect(_mar(tmp_path, config), "m.mar").min_workers == workers
+
+
+def test_max_workers_per_model_is_read_and_defaults_to_the_cpu_count_when_absent(tmp_path: Path):
+    config = tmp_path / "config.properties"
+    config.write_text("default_workers_per_model=2\n")
+    assert settings(config).max_workers == (os.cpu_count() or 1) and settings(config).unsupported == []
+    config.write_text("max_workers_per_model=3\n")
+    assert settings(config).max_workers == 3 and settings(config).unsupported == []
+    config.write_text("max_workers_per_model=0\n")
+    with pytest.raises(PropertiesError, match="max_workers_per_model=0: must be >= 1"):
+        settings(config)
