@@ -123,6 +123,10 @@ def crashing_request(serve: ServeRepo, model: str, batch: np.ndarray, expected: 
             reply = b""
     back = answering_after(serve, sent, model, batch, expected)
     died = [line for line in serve.lines[mark:] if "tritonserver died" in line]
+    deadline = time.monotonic() + 30
+    while not reply and not died and time.monotonic() < deadline:  # no answer: Triton died; serve-repo's line about
+        time.sleep(0.2)  # it may reach us after the restarted server answered (its output is read by a thread)
+        died = [line for line in serve.lines[mark:] if "tritonserver died" in line]
     return {"request_bytes": len(CRASHING_BODY), "reply": reply[:120].decode(errors="replace"),
             "restarted": bool(died), "answering_after_s": round(back, 2), "log": died[-1] if died else ""}
 
