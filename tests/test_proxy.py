@@ -147,18 +147,7 @@ def test_proxy_refuses_compressed_bodies_asking_for_them_uncompressed_when_trito
 
 
 def _grpc_unary(target: str, request) -> tuple[str, str]:
-    import grpc
-    from tritonclient.grpc import service_pb2 as pb
-
-    with grpc.insecure_channel(target) as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                   request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=pb.ModelInferResponse.FromString)
-        try:
-            call(request, timeout=60)
-            return "OK", ""
-        except grpc.RpcError as error:
-            return error.code().name, error.details()
+    return _grpc_call(target, "ModelInfer", request)
 
 
 @pytest.mark.parametrize("mutate, rule", [
