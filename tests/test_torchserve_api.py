@@ -74,7 +74,20 @@ def front(store):
 
 
 @pytest.fixture(scope="module")
-def reference(store, tmp_path_factory):
+def web(store):
+    """A web server of the model store's files: a download of a file the store already has."""
+    import functools
+    import http.server
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(store))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(store, web, tmp_path_factory):
     """TorchServe 0.12 itself serving the same archive: its answers to the requests these tests send."""
     folder = tmp_path_factory.mktemp("torchserve")
     with torchserve.started(folder, store / f"{NAME}.mar", workers=1, properties={"enable_model_api": "true"}) as real:
@@ -92,6 +105,7 @@ def reference(store, tmp_path_factory):
                    "relative path": call("POST", f"{real.management_url}/models?url=../{NAME}.mar"),
                    "absolute path": call("POST", f"{real.management_url}/models?url={store}/{NAME}.mar"),
                    "etc passwd": call("POST", f"{real.management_url}/models?url=/etc/passwd"),
+                   "download exists": call("POST", f"{real.management_url}/models?url={web}/{NAME}.mar"),
                    "describe unknown": call("GET", f"{real.management_url}/models/nope"),
                    "ping": call("GET", f"{base}/ping"),
                    "list": call("GET", f"{real.management_url}/models?limit=1"),
@@ -146,7 +160,7 @@ def test_predictions_answer_the_same_when_sent_as_put_multipart_or_with_the_vers
         assert code == 200 and json.loads(body) == json.loads(first[1]), args
 
 
-def test_answers_and_errors_are_torchserves_when_compared_with_torchserve(front, reference, store):
+def test_answers_and_errors_are_torchserves_when_compared_with_torchserve(front, reference, store, web):
     photo = PHOTO.read_bytes()
     ours = {"empty": call("POST", f"{front.inference_url}/predictions/{NAME}", b""),
             "text": call("POST", f"{front.inference_url}/predictions/{NAME}", b"hello"),
@@ -160,6 +174,8 @@ def test_answers_and_errors_are_torchserves_when_compared_with_torchserve(front,
             "relative path": call("POST", f"{front.management_url}/models?url=../{NAME}.mar"),
             "absolute path": call("POST", f"{front.management_url}/models?url={store}/{NAME}.mar"),
             "etc passwd": call("POST", f"{front.management_url}/models?url=/etc/passwd"),
+            # issue 42 B7: a download is never reused (nor replaced) by its file name, whatever the host
+            "download exists": call("POST", f"{front.management_url}/models?url={web}/{NAME}.mar"),
             "describe unknown": call("GET", f"{front.management_url}/models/nope"),
             "ping": call("GET", f"{front.inference_url}/ping"),
             "list": call("GET", f"{front.management_url}/models?limit=1"),
@@ -365,6 +381,7 @@ def test_a_second_version_is_served_beside_the_first_and_set_default_as_torchser
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[1] == three[1]
     assert call("DELETE", f"{front.management_url}/models/{NAME}/2.0")[0] == 200
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", photo)[1] == three[1]
+    assert not (store / "fetched.mar").exists()  # as TorchServe 0.12: a downloaded archive leaves with its model
 
 
 def test_an_archives_min_workers_are_capped_and_described_as_run_when_over_max_workers_per_model(front, store):

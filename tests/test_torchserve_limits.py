@@ -7,6 +7,7 @@ import json
 import socket
 import time
 import urllib.request
+import zipfile
 
 import psutil
 import pytest
@@ -130,6 +131,44 @@ def test_a_download_that_is_no_archive_or_is_cut_off_never_enters_the_model_stor
             assert sorted(path.name for path in store.iterdir()) == []  # nothing kept, not even a partial file
     finally:
         httpd.shutdown()
+
+
+def test_a_download_is_never_reused_or_replaced_by_its_file_name_when_another_host_serves_that_name(tmp_path):
+    """Issue 42 B7: host A's dup.mar was served for host B's registration of the same file name. Now, as TorchServe
+    0.12 answers (500 InternalServerException "Model file already exists dup.mar"), the second is refused whatever
+    the host, and the store keeps A's bytes."""
+    import functools
+    import http.server
+    import threading
+
+    from server.torchserve.archives import ArchiveProblem, locate
+
+    hosts = []
+    for label in ("a", "b"):
+        folder = tmp_path / label
+        folder.mkdir()
+        with zipfile.ZipFile(folder / "dup.mar", "w") as archive:
+            archive.writestr("MAR-INF/MANIFEST.json", json.dumps({"model": {"modelName": label}}))
+        server = http.server.ThreadingHTTPServer(
+            ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder)))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        hosts.append(server)
+    store = tmp_path / "store"
+    store.mkdir()
+    allowed = (r"http://127\.0\.0\.1:.*",)
+    try:
+        first = locate(f"http://127.0.0.1:{hosts[0].server_port}/dup.mar", store, allowed_urls=allowed)
+        assert first == store / "dup.mar" and first.read_bytes() == (tmp_path / "a" / "dup.mar").read_bytes()
+        for host in hosts:
+            with pytest.raises(ArchiveProblem) as refused:
+                locate(f"http://127.0.0.1:{host.server_port}/dup.mar", store, allowed_urls=allowed)
+            assert (refused.value.status, refused.value.kind, str(refused.value)) == (
+                500, "InternalServerException", "Model file already exists dup.mar")
+        assert first.read_bytes() == (tmp_path / "a" / "dup.mar").read_bytes()
+        assert sorted(path.name for path in store.iterdir()) == ["dup.mar"]
+    finally:
+        for server in hosts:
+            server.shutdown()
 
 
 def test_a_registration_url_stays_in_the_store_and_allowed_urls_and_off_this_machine_by_default(tmp_path):

@@ -90,11 +90,22 @@ def _own_machine(host: str | None) -> bool:
     return any(a.is_loopback or a.is_link_local or a.is_unspecified for a in addresses)
 
 
+def downloaded(url: str, store: Path) -> Path | None:
+    """Where an http(s) `url` is downloaded to in the store (TorchServe: the store, under the URL's file name), or
+    None for a path or file:// URL (the operator's file: never removed by us)."""
+    if urlsplit(url).scheme not in ("http", "https"):
+        return None
+    return store / (Path(urlsplit(url).path).name or "model.mar")
+
+
+def _exists(target: Path) -> ArchiveProblem:
+    return ArchiveProblem(f"Model file already exists {target.name}", 500, "InternalServerException")
+
+
 def _download(url: str, store: Path, max_bytes: int) -> Path:
-    name = Path(urlsplit(url).path).name or "model.mar"
-    target = store / name
-    if target.exists():
-        return target  # TorchServe too: a url whose file is already in the store is not fetched again
+    target = downloaded(url, store)
+    if target.exists():  # as TorchServe 0.12: never reused (it may be another host's file of that name), never replaced
+        raise _exists(target)
     partial = Path(tempfile.mkstemp(prefix=".download-", dir=store)[1])
     try:
         deadline = time.monotonic() + DOWNLOAD_DEADLINE_S
@@ -116,7 +127,10 @@ def _download(url: str, store: Path, max_bytes: int) -> Path:
         if declared and declared.isdigit() and int(declared) != total or not zipfile.is_zipfile(partial):
             raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
                                  reason="not a model archive, or cut off")
-        os.replace(partial, target)
+        try:
+            os.link(partial, target)  # not os.replace: a registration that took this name meanwhile keeps its file
+        except FileExistsError:
+            raise _exists(target) from None
     except ArchiveProblem:
         raise
     except (OSError, ValueError, http.client.HTTPException) as exc:

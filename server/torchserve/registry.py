@@ -16,7 +16,7 @@ from pathlib import Path
 from common.modelconfig import read_config, to_text
 from server import canary
 from server.errors import ServerError
-from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build, inspect, locate
+from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build, downloaded, inspect, locate
 from server.triton import TritonServer
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -123,7 +123,18 @@ class Registry:
     def register(self, url: str, name: str | None = None, batch_size: int | None = None,
                  max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
                  loaded_at_startup: bool = False) -> Model:
-        info = inspect(locate(url, self.store, allowed_urls=self.allowed_urls), url)
+        path = locate(url, self.store, allowed_urls=self.allowed_urls)
+        try:
+            return self._register(path, url, name, batch_size, max_batch_delay, workers, response_timeout,
+                                  loaded_at_startup)
+        except BaseException:
+            if path == downloaded(url, self.store):  # as TorchServe: a download whose registration failed is removed
+                path.unlink(missing_ok=True)
+            raise
+
+    def _register(self, path: Path, url: str, name: str | None, batch_size: int | None, max_batch_delay: int | None,
+                  workers: int | None, response_timeout: int, loaded_at_startup: bool) -> Model:
+        info = inspect(path, url)
         name = name or info.name
         if not NAME.match(name):
             raise ArchiveProblem(f"Invalid model name: {name}: letters, digits, '_', '.' and '-' only")
@@ -251,6 +262,8 @@ class Registry:
                     self.log(f"unregister {model.name}: {exc}")
                 self._wait_unloaded([member])
             self._remove(model.members)
+            if (fetched := downloaded(model.info.url, self.store)) is not None:
+                fetched.unlink(missing_ok=True)  # as TorchServe 0.12: a downloaded archive leaves with its model
 
     def _wait_unloaded(self, members: list[str], limit: float = 120) -> None:
         deadline = time.monotonic() + limit
