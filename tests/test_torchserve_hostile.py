@@ -78,3 +78,21 @@ def test_max_workers_per_model_is_read_and_defaults_to_the_cpu_count_when_absent
     config.write_text("max_workers_per_model=0\n")
     with pytest.raises(PropertiesError, match="max_workers_per_model=0: must be >= 1"):
         settings(config)
+
+
+def test_the_build_cache_keeps_builds_in_use_and_only_the_most_recently_used_others_when_pruned(tmp_path: Path):
+    """Issue 42 (cache sizes): each registration's options are part of a build's key, so one archive registered with
+    batch sizes 1..1000 left 1000 builds (each with its weights) in the cache."""
+    from server.torchserve.archives import prune
+
+    builds = []
+    for index in range(12):
+        build = tmp_path / f"build{index:02d}"
+        (build / "m").mkdir(parents=True)
+        os.utime(build, (1_000_000 + index, 1_000_000 + index))  # build11 used last
+        builds.append(build)
+    (tmp_path / ".staging-in-progress").mkdir()
+    removed = prune(tmp_path, in_use={builds[0], builds[1]}, keep=8)
+    assert sorted(removed) == builds[2:4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [".staging-in-progress", "build00", "build01"] + [f"build{i:02d}" for i in range(4, 12)])

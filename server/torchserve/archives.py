@@ -199,6 +199,7 @@ def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], 
     key = hashlib.sha256(json.dumps([info.sha256, triton_name, options]).encode()).hexdigest()[:24]
     built = cache / key
     if (built / triton_name / "config.pbtxt").is_file():
+        os.utime(built)  # used now: the last a prune removes
         return built
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
@@ -217,3 +218,17 @@ def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], 
     os.replace(staging / "repo", built)
     shutil.rmtree(staging, ignore_errors=True)
     return built
+
+
+KEEP_UNUSED_BUILDS = 8  # builds no registration serves that the cache keeps (the most recently used)
+
+
+def prune(cache: Path, in_use: set[Path], keep: int = KEEP_UNUSED_BUILDS) -> list[Path]:
+    """Remove the cache's builds that no registration serves but the `keep` most recently used: registering one
+    archive with batch sizes 1..1000 would otherwise leave 1000 builds (each with its weights) on disk."""
+    unused = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".") and p not in in_use]
+    unused.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in unused[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+    return unused[keep:]
+

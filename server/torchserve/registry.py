@@ -16,7 +16,8 @@ from pathlib import Path
 from common.modelconfig import read_config, to_text
 from server import canary
 from server.errors import ServerError
-from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build, downloaded, inspect, locate
+from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, ArchiveProblem, build, downloaded, inspect,
+                                        locate, prune)
 from server.triton import TritonServer
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -75,6 +76,7 @@ class Model:
     members: list[str] = field(default_factory=list)  # Triton model names, in load order
     pending: int = 0  # predictions this model was found for and not yet answered (counted by the event loop)
     queued: int = 0  # of those, the ones whose body is read: TorchServe's job queue (a slow body is not in it)
+    built: Path | None = None  # its build in the cache (archives.build)
 
     @property
     def handler(self) -> bool:
@@ -153,7 +155,10 @@ class Registry:
             # job_queue_size is bounded in the front instead (Model.pending).
             options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay)]
             built = build(info, triton, self.cache, options, self.log)
-            model = Model(name, info.version, info, triton, batch, delay, count, response_timeout, loaded_at_startup)
+            for removed in prune(self.cache, {built} | {m.built for m in self.all()}):
+                self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
+            model = Model(name, info.version, info, triton, batch, delay, count, response_timeout, loaded_at_startup,
+                          built=built)
             self._serve(model, built)
             self.models.setdefault(name, {})[info.version] = model
             self.defaults.setdefault(name, info.version)
