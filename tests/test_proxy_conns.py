@@ -89,3 +89,19 @@ def test_proxy_pins_at_most_its_stream_limit_of_buffers_when_one_connection_open
                 break
     # perf/results/proxy-memory.json: 1.05 MB per stream sending; 100 streams held 103 MB before the limit.
     assert (peak - before) / 1024 < STREAMS * 1.1 + 8, (before, peak)
+
+
+def test_proxy_answers_every_call_when_one_grpc_channel_sends_more_than_its_stream_limit_at_once(server, tmp_path):
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+
+    proxy = _proxy(server, tmp_path)
+    try:
+        with grpc.insecure_channel(proxy.grpc_url) as channel:
+            ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady",
+                                        request_serializer=pb.ServerReadyRequest.SerializeToString,
+                                        response_deserializer=pb.ServerReadyResponse.FromString)
+            calls = [ready.future(pb.ServerReadyRequest(), timeout=60) for _ in range(3 * STREAMS)]
+            assert all(call.result().ready for call in calls)  # the calls over the limit wait for a free stream
+    finally:
+        proxy.stop()
