@@ -35,11 +35,12 @@ class ProxySettings:
     # proxy's queue before they are refused at once (503, rule overload); none waits there over 2x that.
     max_in_flight: int = 32
     queue_ms: int = 500
-    # Connections: all of them, and one client address's. An idle keep-alive connection costs a few KB; one sending
-    # a body pins a 1 MB buffer for at most `timeout http-request` (10 s). Clients keep pools of connections (the
-    # traffic drill: a few hundred from one address, held while Triton restarts): 64 refused them.
-    max_connections: int = 2000
-    connections_per_client: int = 1000
+    # Connections: all of them, and one client address's. An idle keep-alive connection costs ~2 KB; one sending
+    # a body pins a 1 MB buffer for at most `timeout http-request` (10 s) (perf/results/proxy-memory.json). Clients
+    # keep pools of connections (the traffic drill: a few hundred from one address, held while Triton restarts): 64
+    # refused them. 16 addresses at their caps fill the proxy (it was 2 with 2,000 / 1,000).
+    max_connections: int = 4096
+    connections_per_client: int = 256
     # Address ranges of a front proxy (an ingress), space-separated: its requests are counted per client by the last
     # X-Forwarded-For address, and its connections are not capped per client.
     trusted: str | None = None
