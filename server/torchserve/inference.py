@@ -162,7 +162,8 @@ class Inference:
             code = re.search(r"\((\d{3})\)", reason)
             status = int(code.group(1)) if code else 503
             # a 4xx: the stub refused this request alone (ts_worker.Refused), its type as TorchServe names the status
-            return error(status, "Prediction failed" if status == 503 else reason.split(" (")[0],
+            message = re.sub(r"^\[\d+\] ", "", reason.split(" (")[0])  # tritonclient's "[400] " prefix
+            return error(status, "Prediction failed" if status == 503 else message,
                          None if status < 500 else "InternalServerException")
         body = result.as_numpy("RESPONSE").reshape(-1)[0]
         content_type = result.as_numpy("CONTENT_TYPE").reshape(-1)[0].decode("utf-8", "replace")
