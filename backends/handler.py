@@ -30,10 +30,12 @@ class TritonPythonModel:
 
             if torch.cuda.is_available():  # else the handler falls back to CPU, as under TorchServe
                 torch.cuda.set_device(gpu)  # so that the stub makes no context on GPU 0 besides its own
+        params = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
+        # Before the handler's own code runs: any image it decodes itself is bounded too.
+        ts_worker.bound_images(int(params.get("max_pixels", "") or ts_worker.DEFAULT_MAX_PIXELS))
         folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), ARCHIVE_DIR)
         # A handler failing here fails the load: Triton reports the reason (ts_worker.HandlerError's message).
         self.service = ts_worker.load(folder, args["model_name"], gpu, max(int(config.get("max_batch_size", 1)), 1))
-        params = {key: value.get("string_value", "") for key, value in config.get("parameters", {}).items()}
         name = f"{args['model_name']} (instance {args.get('model_instance_name', '')})"
 
         def report(message: str, warning: bool) -> None:
@@ -54,7 +56,11 @@ class TritonPythonModel:
                                           f"takes), got {body.size}", invalid=True)
                 continue
             value = body[0] if isinstance(body[0], bytes) else bytes(body[0])
-            items.append(ts_worker.request_item(value, _headers(request)))
+            try:
+                items.append(ts_worker.request_item(value, _headers(request)))
+            except ts_worker.Refused as exc:  # this request alone: its neighbours go to handle() without it
+                responses[index] = _error(str(exc), invalid=True)
+                continue
             owners.append(index)
         if items:
             for index, answer in zip(owners, ts_worker.predict(self.service, items)):

@@ -10,8 +10,10 @@ import json
 import logging
 import os
 import sys
+import re
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 
 import ts
@@ -22,11 +24,23 @@ from ts.utils.util import PredictionException
 
 MANIFEST = os.path.join("MAR-INF", "MANIFEST.json")
 JSON = "application/json"
+# common/decoding.py's DEFAULT_MAX_PIXELS (this file imports no module of ours): the largest image, by its header,
+# a request may bring when the model's config names no `max_pixels`.
+DEFAULT_MAX_PIXELS = 50_000_000
+TOO_LARGE, BAD_REQUEST = 413, 400
 logger = logging.getLogger("ts_handler")
 
 
 class HandlerError(RuntimeError):
     """The archive's handler could not be loaded or initialized; the message names it and the reason."""
+
+
+class Refused(ValueError):
+    """One request refused before the handler sees it: the reason, and the HTTP status the TorchServe front gives."""
+
+    def __init__(self, reason: str, status: int):
+        super().__init__(f"{reason} ({status})")
+        self.reason, self.status = reason, status
 
 
 @dataclass(frozen=True)
@@ -81,10 +95,44 @@ def _utf8_locale() -> None:
             continue
 
 
+def bound_images(max_pixels: int) -> None:
+    """PIL in this stub refuses an image whose header claims over `max_pixels` (a decode the handler does itself:
+    PIL only warns between its bound and twice it, so the warning is an error here)."""
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
+
+
+def check_image(body: bytes) -> None:
+    """Refused (413) where the body is an image whose header claims more pixels than PIL's bound (bound_images):
+    PIL reads the header only. Anything that is not an image passes (the handler judges it), as does a corrupt one."""
+    from PIL import Image
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(body)) as image:
+                pixels = image.width * image.height
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        claimed = re.search(r"\((\d+) pixels\)", str(exc))
+        pixels = int(claimed.group(1)) if claimed else None
+    except Exception:  # not an image PIL knows, or a corrupt one: the handler's to answer, as under TorchServe
+        return
+    bound = Image.MAX_IMAGE_PIXELS
+    if bound is not None and (pixels is None or pixels > bound):
+        size = f"{pixels:,} pixels" if pixels is not None else "its size"
+        # common/decoding.py's wording: both fronts refuse a bomb in the same words
+        raise Refused(f"decompression bomb refused: the header claims {size}, more than max_pixels {bound:,}",
+                      TOO_LARGE)
+
+
 def request_item(body: bytes, headers: dict[str, str]) -> tuple[dict, dict]:
     """One request as TorchServe's worker hands it to handle(): its body under "data" and "body" (decoded as
     TorchServe decodes by content type: JSON -> object, text/* -> str), and the headers its RequestProcessor
-    holds (each input's content type, then the request's own headers)."""
+    holds (each input's content type, then the request's own headers). Refused: this request alone is refused
+    (an image over the pixel bound, JSON nested deeper than Python's parser goes)."""
+    check_image(body)
     content_type = next((value for key, value in headers.items() if key.lower() == "content-type"), "")
     value = body
     if content_type == JSON:
@@ -92,6 +140,9 @@ def request_item(body: bytes, headers: dict[str, str]) -> tuple[dict, dict]:
             value = json.loads(body.decode("utf-8"))
         except (UnicodeDecodeError, ValueError):  # TorchServe forwards the bytes too
             pass
+        except RecursionError:  # no ValueError: it failed the whole batch. TorchServe forwards the bytes, which a
+            # handler's own json.loads fails on, and with it the batch: refused here, this request alone
+            raise Refused("JSON nested too deeply to parse", BAD_REQUEST) from None
     elif content_type.startswith("text"):
         try:
             value = body.decode("utf-8")

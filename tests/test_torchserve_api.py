@@ -3,6 +3,7 @@ compared with TorchServe 0.12 itself on the same archive and photo, batching, sc
 bad bodies, tokens, config.properties."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -193,9 +194,13 @@ def test_answers_and_errors_are_torchserves_when_compared_with_torchserve(front,
 
 
 def test_bad_bodies_get_torchserves_codes_and_the_server_stays_ready_when_sent(front, tmp_path):
-    big = tmp_path / "60mp.jpg"  # 60 megapixels: under PIL's bound, which TorchServe's handler decodes within
-    Image.new("RGB", (8000, 7500), (120, 90, 60)).save(big, quality=50)
+    big = tmp_path / "48mp.jpg"  # 48 megapixels: under max_pixels (50 M, the plain front's bound too)
+    Image.new("RGB", (8000, 6000), (120, 90, 60)).save(big, quality=50)
     assert call("POST", f"{front.inference_url}/predictions/{NAME}", big.read_bytes())[0] == 200
+    over = tmp_path / "60mp.png"  # 60 megapixels: under PIL's bound (TorchServe decodes it), over ours (issue 42 B9)
+    Image.new("1", (8000, 7500)).save(over)
+    status, body = call("POST", f"{front.inference_url}/predictions/{NAME}", over.read_bytes())
+    assert status == 503 and json.loads(body)["message"] == "Prediction failed"  # as any body it cannot decode
     status, body = call("POST", f"{front.inference_url}/predictions/{NAME}", b"\xff" * 3_000_001)
     assert (status, body) == (413, b"")  # max_request_size=3000000: TorchServe's empty 413
     assert call("GET", f"{front.inference_url}/ping") == (200, b'{\n  "status": "Healthy"\n}\n')
@@ -249,6 +254,15 @@ def test_a_custom_handler_archive_is_served_by_its_own_handler_when_registered(f
     failed = call("POST", url, b'{"values": [1], "fail": true}', {"Content-Type": "application/json"})
     assert failed[0] == 503 and json.loads(failed[1])["message"] == "Prediction failed"
     assert failed == reference["jsonsum fails"]
+    # Issue 42 B9: refused by the stub before the handler, this request alone, with a 4xx that says why
+    deep = call("POST", url, b"[" * 5000 + b"]" * 5000, {"Content-Type": "application/json"})
+    assert deep[0] == 400 and json.loads(deep[1]) == {"code": 400, "type": "BadRequestException",
+                                                      "message": "JSON nested too deeply to parse"}, deep
+    buffer = io.BytesIO()
+    Image.new("1", (8000, 7500)).save(buffer, format="PNG")  # 60 M pixels: over max_pixels (50 M)
+    bomb = call("POST", url, buffer.getvalue())
+    assert bomb[0] == 413 and json.loads(bomb[1])["message"] == (
+        "decompression bomb refused: the header claims 60,000,000 pixels, more than max_pixels 50,000,000"), bomb
     assert call("GET", f"{front.inference_url}/ping")[0] == 200
 
 

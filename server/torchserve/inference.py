@@ -161,8 +161,10 @@ class Inference:
             self.log(f"prediction failed for {model.name}: {reason[:300]}")
             code = re.search(r"\((\d{3})\)", reason)
             status = int(code.group(1)) if code else 503
-            return error(status, "Prediction failed" if status == 503 else reason.split(" (")[0],
-                         "InternalServerException")
+            # a 4xx: the stub refused this request alone (ts_worker.Refused), its type as TorchServe names the status
+            message = re.sub(r"^\[\d+\] ", "", reason.split(" (")[0])  # tritonclient's "[400] " prefix
+            return error(status, "Prediction failed" if status == 503 else message,
+                         None if status < 500 else "InternalServerException")
         body = result.as_numpy("RESPONSE").reshape(-1)[0]
         content_type = result.as_numpy("CONTENT_TYPE").reshape(-1)[0].decode("utf-8", "replace")
         return Response(bytes(body), 200, media_type=content_type or None)

@@ -21,9 +21,9 @@ from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, Archive
 from server.triton import TritonServer
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-# TorchServe's handlers decode with PIL's own bound: an error past twice Image.MAX_IMAGE_PIXELS (89,478,485), a
-# warning below. The models built for its API decode what TorchServe decodes (build-repo's default is 50 M).
-TORCHSERVE_MAX_PIXELS = 2 * 89_478_485
+# TorchServe's handlers decode with PIL's own bound (an error past 2 x 89,478,485 pixels): the models built for its
+# API keep build-repo's `max_pixels` instead (50 M unless the config says), the same bound as the plain front's, in
+# the image path's decoding model and the handler path's stub alike (issue 42 B9).
 # What build-repo may add to BASE (the onnx/torchscript exports with --formats): a registration's Triton names are
 # BASE plus each of these, and no two registrations may share one.
 SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript")
@@ -214,14 +214,13 @@ class Registry:
     @staticmethod
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
                       at_most: int | None = None) -> None:
-        """`source` as served here: TorchServe's pixel bound, `instances` (else as built, up to `at_most`) of the
+        """`source` as served here: `instances` (else as built, up to `at_most`) of the
         first group's kind, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
         TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
         for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
         config = read_config(source)
         if not wait and config.HasField("dynamic_batching"):
             config.dynamic_batching.max_queue_delay_microseconds = 0
-        config.parameters["max_pixels"].string_value = str(TORCHSERVE_MAX_PIXELS)
         built = sum(group.count or 1 for group in config.instance_group)
         if instances is None and at_most is not None and built > at_most:
             instances = at_most
