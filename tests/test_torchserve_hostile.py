@@ -96,3 +96,26 @@ def test_the_build_cache_keeps_builds_in_use_and_only_the_most_recently_used_oth
     assert sorted(removed) == builds[2:4]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [".staging-in-progress", "build00", "build01"] + [f"build{i:02d}" for i in range(4, 12)])
+
+
+def test_max_pixels_is_read_and_written_into_every_served_config_when_given(tmp_path: Path):
+    """Issue 42 B9: both paths of the TorchServe front bound pixels with build-repo's 50 M; an operator whose clients
+    send what TorchServe's handlers decode (up to PIL's 178,956,970) says so in config.properties."""
+    from common.modelconfig import read_config, to_text
+    from server.torchserve.registry import Registry
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    config = tmp_path / "config.properties"
+    config.write_text("job_queue_size=4\n")
+    assert settings(config).max_pixels is None
+    config.write_text("max_pixels=178956970\n")
+    assert settings(config).max_pixels == 178_956_970 and settings(config).unsupported == []
+    config.write_text("max_pixels=many\n")
+    with pytest.raises(PropertiesError, match="max_pixels=many: not an integer"):
+        settings(config)
+    pbtxt = tmp_path / "config.pbtxt"
+    pbtxt.write_text(to_text(mc.ModelConfig(name="m", backend="python", max_batch_size=8)))
+    Registry._write_config(pbtxt, pbtxt, None)
+    assert "max_pixels" not in read_config(pbtxt).parameters  # the model's own (build-repo's 50 M) stays
+    Registry._write_config(pbtxt, pbtxt, None, max_pixels=178_956_970)
+    assert read_config(pbtxt).parameters["max_pixels"].string_value == "178956970"

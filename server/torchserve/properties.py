@@ -20,7 +20,7 @@ DEFAULTS = {
 HONOURED = {"inference_address", "management_address", "metrics_address", "model_store", "load_models", "models",
             "enable_model_api", "default_workers_per_model", "max_request_size", "max_response_size",
             "job_queue_size", "disable_token_authorization", "default_response_timeout", "allowed_urls",
-            "max_workers_per_model"}
+            "max_workers_per_model", "max_pixels"}
 # serve-repo's own key (TorchServe has no bound): the most workers (classifier stubs) one model version may run, and
 # its decoder as many at most; an archive's minWorkers, models= and default_workers_per_model above it are clamped,
 # initial_workers / min_worker above it refused (400). Default: the CPU count, TorchServe's default_workers_per_model.
@@ -97,6 +97,9 @@ class Settings:
     response_timeout: int = 120
     unsupported: list[str] = field(default_factory=list)  # keys of the file we do not act on
     allowed_urls: tuple[str, ...] | None = None  # regexes a registration's URL must match (None: TorchServe's default)
+    # serve-repo's own key: the most pixels an image may claim, on the image and the handler path (None: build-repo's
+    # 50 M; TorchServe's handlers decode up to PIL's 2 x 89,478,485 = 178,956,970, which an operator may set here)
+    max_pixels: int | None = None
 
 
 def _bool(value: str) -> bool:
@@ -145,6 +148,8 @@ def settings(path: Path | None) -> Settings:
         result.default_workers = _int(entries["default_workers_per_model"], "default_workers_per_model", 1)
     if "max_workers_per_model" in entries:
         result.max_workers = _int(entries["max_workers_per_model"], "max_workers_per_model", 1)
+    if "max_pixels" in entries:
+        result.max_pixels = _int(entries["max_pixels"], "max_pixels", 1)
     for key in ("max_request_size", "max_response_size", "job_queue_size"):
         if key in entries:
             setattr(result, key, _int(entries[key], key, 1))

@@ -22,7 +22,7 @@ from server.triton import TritonServer
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 # TorchServe's handlers decode with PIL's own bound (an error past 2 x 89,478,485 pixels): the models built for its
-# API keep build-repo's `max_pixels` instead (50 M unless the config says), the same bound as the plain front's, in
+# API keep build-repo's `max_pixels` instead (50 M unless config.properties says), the same bound as the plain front's, in
 # the image path's decoding model and the handler path's stub alike (issue 42 B9).
 # What build-repo may add to BASE (the onnx/torchscript exports with --formats): a registration's Triton names are
 # BASE plus each of these, and no two registrations may share one.
@@ -104,6 +104,7 @@ class Registry:
         self.max_workers = max_workers  # max_workers_per_model: what any registration or scale may start
         self.response_timeout = response_timeout  # seconds, where a registration names none
         self.allowed_urls: tuple[str, ...] | None = None  # config.properties' allowed_urls (None: TorchServe's default)
+        self.max_pixels: int | None = None  # config.properties' max_pixels (None: build-repo's, 50 M)
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
         self.defaults: dict[str, str] = {}  # name -> default version
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
@@ -187,7 +188,7 @@ class Registry:
             # The classifier runs `workers` instances; its decoder (NAME_preprocess) as built, but never more.
             self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
                                model.workers if member == model.triton else None,
-                               wait=member == model.triton, at_most=model.workers)
+                               wait=member == model.triton, at_most=model.workers, max_pixels=self.max_pixels)
         model.members = members
         try:
             for member in members:
@@ -213,14 +214,16 @@ class Registry:
 
     @staticmethod
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
-                      at_most: int | None = None) -> None:
-        """`source` as served here: `instances` (else as built, up to `at_most`) of the
+                      at_most: int | None = None, max_pixels: int | None = None) -> None:
+        """`source` as served here: config.properties' `max_pixels` where given, `instances` (else as built, up to `at_most`) of the
         first group's kind, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
         TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
         for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
         config = read_config(source)
         if not wait and config.HasField("dynamic_batching"):
             config.dynamic_batching.max_queue_delay_microseconds = 0
+        if max_pixels is not None:
+            config.parameters["max_pixels"].string_value = str(max_pixels)
         built = sum(group.count or 1 for group in config.instance_group)
         if instances is None and at_most is not None and built > at_most:
             instances = at_most
