@@ -1,0 +1,51 @@
+"""Issue 42 B10: in TorchServe mode tritonserver is reachable only through serve-repo's front. It listens on no TCP
+port (a local user could send it the request that aborts Triton 2.51, docs/security.md), only on Unix sockets in
+serve-repo's private folder (0700), gRPC off; the front's /ping and /metrics still reach it."""
+import os
+import stat
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from perf.serve import TorchServeFront
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory):
+    store = tmp_path_factory.mktemp("private") / "model_store"
+    store.mkdir()
+    started = TorchServeFront(store.parent / "front", model_store=str(store), disable_token_authorization="true")
+    yield started
+    started.stop()
+
+
+def test_tritonserver_listens_on_no_tcp_port_when_served_behind_the_torchserve_front(front):
+    triton = psutil.Process(front.triton_pid)
+    listening = [c for c in triton.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening == [], f"tritonserver listens on TCP: {[c.laddr for c in listening]}"
+
+
+def test_tritonserver_sockets_are_in_a_folder_only_serve_repos_user_reads_when_served_behind_the_front(front):
+    sockets = sorted({c.laddr for c in psutil.Process(front.triton_pid).net_connections(kind="unix") if c.laddr})
+    assert sockets, "tritonserver listens on no Unix socket"
+    for path in map(Path, sockets):
+        folder = path.parent.stat()
+        assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid(), (path, oct(folder.st_mode))
+    assert front.triton_socket in map(Path, sockets)
+
+
+def test_triton_answers_through_the_socket_and_the_fronts_ping_and_metrics_when_served_behind_the_front(front):
+    from server.unix_http import sync_client
+
+    client = sync_client(f"unix:{front.triton_socket}")
+    try:
+        assert client.is_server_ready()
+    finally:
+        client.close()
+    with urllib.request.urlopen(f"{front.inference_url}/ping", timeout=10) as reply:
+        assert reply.status == 200
+    with urllib.request.urlopen(f"{front.metrics_url}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    assert "# TYPE ts_inference_requests_total counter" in text and "\nnv_" in text  # Triton's own metrics follow
