@@ -10,6 +10,7 @@ import psutil
 import pytest
 
 from perf.serve import TorchServeFront
+from server.unix_http import socket_path, sync_client
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +34,11 @@ def test_tritonserver_sockets_are_in_a_folder_only_serve_repos_user_reads_when_s
     for path in map(Path, sockets):
         folder = path.parent.stat()
         assert stat.S_IMODE(folder.st_mode) == 0o700 and folder.st_uid == os.getuid(), (path, oct(folder.st_mode))
-    assert front.triton_socket in map(Path, sockets)
+    assert Path(socket_path(front.triton_url)) in map(Path, sockets)
 
 
 def test_triton_answers_through_the_socket_and_the_fronts_ping_and_metrics_when_served_behind_the_front(front):
-    from server.unix_http import sync_client
-
-    client = sync_client(f"unix:{front.triton_socket}")
+    client = sync_client(front.triton_url)
     try:
         assert client.is_server_ready()
     finally:
