@@ -48,3 +48,20 @@ def test_triton_answers_through_the_socket_and_the_fronts_ping_and_metrics_when_
     with urllib.request.urlopen(f"{front.metrics_url}/metrics", timeout=10) as reply:
         text = reply.read().decode()
     assert "# TYPE ts_inference_requests_total counter" in text and "\nnv_" in text  # Triton's own metrics follow
+
+
+def test_command_puts_a_private_server_on_sockets_and_a_local_one_on_its_ports_when_built(tmp_path):
+    from server.triton import TritonServer
+
+    (tmp_path / "repo").mkdir()
+    private = TritonServer.private(tmp_path / "repo")
+    private._workdir = tmp_path / "work"
+    command = private.command()
+    assert {f"--http-address=unix:{tmp_path}/work/triton.sock", "--http-port=0", "--allow-grpc=false",
+            f"--metrics-address=unix:{tmp_path}/work/metrics.sock", "--metrics-port=0"} <= set(command)
+    assert not [arg for arg in command if arg.startswith("--grpc")]
+    plain = TritonServer(tmp_path / "repo", 1, 2, 3)
+    plain._workdir = tmp_path / "work2"
+    assert {"--http-port=1", "--grpc-port=2", "--metrics-port=3", "--http-address=127.0.0.1",
+            "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(plain.command())
+    assert not [arg for arg in plain.command() if "unix:" in arg or arg.startswith("--allow-grpc")]
