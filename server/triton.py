@@ -89,7 +89,7 @@ class TritonServer:
         return self._workdir
 
     def _url(self, api: str) -> str:
-        """"HOST:PORT", or "unix:PATH" where that server is on a socket (sync_client, aio_client and get take both)."""
+        """Where `api` listens: "HOST:PORT", or "unix:PATH" (server.unix_http's clients take both)."""
         if self.ports[api] is not None:
             return f"{self.host}:{self.ports[api]}"
         if api not in SOCKETS or self._workdir is None:

@@ -79,7 +79,7 @@ class Inference:
         self.registry, self.triton_url, self.job_queue_size, self.log = registry, triton_url, job_queue_size, log
         self.instances = instances  # () -> {Triton model: its live instances}
         self.max_request_size = max_request_size
-        self.client = None  # tritonclient.http.aio's, made in the server's loop
+        self.client: aioclient.InferenceServerClient | None = None  # made in the front's loop (startup)
 
     async def startup(self) -> None:
         # One client, reused: its aiohttp session keeps connections to Triton open across requests.
