@@ -77,6 +77,15 @@ class ServeRepo:
         return int(found.group(1)), int(found.group(2))
 
     @property
+    def triton_url(self) -> str:
+        """tritonserver's HTTP address behind the TorchServe API ("unix:PATH", what server.unix_http's clients take),
+        as its ready line names it."""
+        found = re.search(r"tritonserver on (\S+),", self.ready_line)
+        if not found:
+            raise AssertionError(f"no tritonserver address in {self.ready_line!r}")
+        return found.group(1)
+
+    @property
     def triton_log(self) -> Path:
         """tritonserver's log file, as the TorchServe API's ready line names it."""
         found = re.search(r"log (\S+)\)", self.ready_line)

@@ -5,7 +5,7 @@ in the archive), registered through each server's management API with the seed w
 (batch_size=8, max_batch_delay=10, initial_workers=1); one photo; one load generator (perf.torchserve_bench's: N
 closed-loop clients, one keep-alive connection each). ResNet-152: TorchServe, then serve-repo --torchserve-config
 at its default precision and with --precision auto, each through POST /predictions/NAME and, on the same running
-server, as a tritonclient HTTP infer of NAME_image to tritonserver's own port (c=1 p50, c=8 throughput); then
+server, as a tritonclient HTTP infer of NAME_image to tritonserver's own socket (c=1 p50, c=8 throughput); then
 serve-repo --handler-path (the archive's own image_classifier handler in Triton's stub), its model on OpenVINO
 (the default, measured once the stub said OpenVINO took over) and with --engine torch (eager, as TorchServe runs
 it). ResNet-18: c=32 throughput through /predictions and direct.
@@ -34,6 +34,7 @@ from perf.loadgen import encoded
 from perf.samples import CAT
 from perf.serve import TorchServeFront
 from perf.torchserve_bench import closed_loop, closed_loop_of, cpu, cpu_slug, versions
+from server.unix_http import get, sync_client
 
 REGISTRATION = {"batch_size": 8, "max_batch_delay": 10, "initial_workers": 1}  # the seed walkthrough's
 LEVELS = {"resnet152": (1, 8), "resnet18": (32,)}
@@ -75,13 +76,13 @@ def register(management_url: str, name: str, timeout: float) -> dict:
     raise BenchError(f"no READY worker for {name} after {timeout:.0f} s")
 
 
-def direct(port: int, model: str, body: bytes):
+def direct(url: str, model: str, body: bytes):
     """perf.torchserve_bench's client contract for the image path: a tritonclient HTTP infer of MODEL_image with the
-    photo's bytes (BYTES [1, 1]) to tritonserver's own port, one client per thread."""
+    photo's bytes (BYTES [1, 1]) to tritonserver at `url` (its Unix socket behind the front), one client per thread."""
     import tritonclient.http as httpclient
 
     def connect():
-        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=300, network_timeout=300)
+        client = sync_client(url, connection_timeout=300, network_timeout=300)
         image = httpclient.InferInput(IMAGE_BYTES, [1, 1], "BYTES")
         image.set_data_from_numpy(encoded(body, batched=True))
         wanted = [httpclient.InferRequestedOutput(LOGITS)]
@@ -146,8 +147,8 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
         raise BenchError(f"serve-repo {' '.join(flags)} did not start: {exc}") from None
     results = {}
     try:
-        port = front.private_ports[0]
-        found.setdefault("tritonserver", _call("GET", f"http://127.0.0.1:{port}/v2")["version"])
+        triton = front.triton_url
+        found.setdefault("tritonserver", json.loads(get(triton, "/v2", 60))["version"])
         for name in models:
             registered = register(front.management_url, name, args.start_timeout)
             precision = resolved_precision(f"{front.metrics_url}/metrics", name)
@@ -161,7 +162,7 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
                 _call("DELETE", f"{front.management_url}/models/{name}")
                 continue
             print(f"{label}, {name} direct to {name}_image:", file=sys.stderr)
-            straight = measure(lambda c: closed_loop_of(direct(port, name, body), c, args.seconds, args.warmup, top5),
+            straight = measure(lambda c: closed_loop_of(direct(triton, name, body), c, args.seconds, args.warmup, top5),
                                name)
             # Both paths run the same classifier: the API's first label is the direct logits' top one (only the
             # first: a random ResNet-152's softmax is one 1.0 and zeros, whose order is arbitrary).

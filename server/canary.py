@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 from common.contract import IMAGE_BYTES, LOGITS
 from common.messages import first_line
 from server.errors import ServerError
+from server.unix_http import sync_client
 
 TIMEOUT = 300  # seconds for one canary answer: a first request may warm an engine up on a busy 2-core machine
 FREE_DIM = 64  # a variable (-1) dimension of an input gets this size (build-repo writes none)
@@ -127,7 +128,7 @@ def probe(url: str, model: str, config: dict, timeout: float = TIMEOUT) -> str |
     if isinstance(inputs, str):
         return inputs
     outputs = [httpclient.InferRequestedOutput(t["name"], binary_data=True) for t in config.get("output", [])]
-    client = httpclient.InferenceServerClient(url, connection_timeout=min(timeout, 10.0), network_timeout=timeout)
+    client = sync_client(url, connection_timeout=min(timeout, 10.0), network_timeout=timeout)
     try:
         result = client.infer(model, inputs, outputs=outputs)
         answer = {t["name"]: result.as_numpy(t["name"]) for t in config.get("output", [])}

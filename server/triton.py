@@ -6,16 +6,15 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from itertools import count
 from pathlib import Path
 
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from common.messages import first_line
@@ -26,17 +25,11 @@ from server.log import TritonLog
 from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, remove_stale, stubs_of, with_parent_death
 from server.stub_python import check_stub_python, resolve_stub_python, stub_path
 from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models, uses_gpu
+from server.unix_http import SOCKETS, UNIX, connect, listen_flags, release_thread_hub, sync_client, unlink_socket
 from server.wheel import make_backend_dir, pytriton_root
 
 __all__ = ["ServerError", "TritonServer", "release_thread_hub"]
-
-
-def release_thread_hub() -> None:
-    """tritonclient.http's transport (geventhttpclient) gives each thread that calls it a gevent hub with its own
-    event loop, which outlives the thread (2 file descriptors each): a short-lived thread releases it as it ends."""
-    import gevent
-
-    gevent.get_hub().destroy(destroy_loop=True)
+_PRIVATE = count(1)  # tells apart the shared memory of private servers (no port) one process starts
 
 
 class TritonServer:
@@ -44,7 +37,7 @@ class TritonServer:
 
     The server dies with the process that started it (PR_SET_PDEATHSIG), its stubs die with the server
     (they watch their parent), and what they leave in /dev/shm carries our pid so that the next start
-    can remove it (remove_stale)."""
+    can remove it (remove_stale). A port of None: none (TritonServer.private)."""
 
     def __init__(self, repository, http_port=8000, grpc_port=8001, metrics_port=8002, host="127.0.0.1",
                  model_control="none", log_file=None, extra_args=(), drain_seconds: float = 5, env=None,
@@ -52,6 +45,7 @@ class TritonServer:
         self.repository = Path(repository).resolve()
         self.host = host
         self.ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+        self._tag = http_port if http_port is not None else f"u{next(_PRIVATE)}"
         self.model_control = model_control
         self.extra_args = list(extra_args)
         self.drain_seconds = drain_seconds
@@ -79,6 +73,12 @@ class TritonServer:
         """A server on 127.0.0.1 with free HTTP, gRPC and metrics ports (not started)."""
         return cls(repository, free_port(), free_port(), free_port(), **options)
 
+    @classmethod
+    def private(cls, repository, **options) -> "TritonServer":
+        """A server that listens on no TCP port (a local user could send it a request that aborts Triton 2.51):
+        HTTP and metrics on Unix sockets in its private folder (0700, made by start), gRPC off (not started)."""
+        return cls(repository, None, None, None, **options)
+
     @property
     def log_file(self) -> Path | None:
         return self.log.path
@@ -88,13 +88,25 @@ class TritonServer:
         """This run's private folder (made by the first start, removed by stop)."""
         return self._workdir
 
+    def _url(self, api: str) -> str:
+        """Where `api` listens: "HOST:PORT", or "unix:PATH" (server.unix_http's clients take both)."""
+        if self.ports[api] is not None:
+            return f"{self.host}:{self.ports[api]}"
+        if api not in SOCKETS or self._workdir is None:
+            raise ServerError(f"tritonserver's {api} is off" if api not in SOCKETS else "tritonserver not started")
+        return f"{UNIX}{self._workdir / SOCKETS[api]}"
+
     @property
     def http_url(self) -> str:
-        return f"{self.host}:{self.ports['http']}"
+        return self._url("http")
 
     @property
     def grpc_url(self) -> str:
-        return f"{self.host}:{self.ports['grpc']}"
+        return self._url("grpc")
+
+    @property
+    def metrics_url(self) -> str:
+        return self._url("metrics")
 
     @property
     def pid(self) -> int | None:
@@ -102,7 +114,7 @@ class TritonServer:
 
     @property
     def shm_prefix(self) -> str:
-        return f"{SHM_PREFIX}{os.getpid()}_{self.ports['http']}_"
+        return f"{SHM_PREFIX}{os.getpid()}_{self._tag}_"
 
     def command(self) -> list[str]:
         root = pytriton_root()
@@ -115,10 +127,11 @@ class TritonServer:
                f"--backend-directory={backends}", "--model-control-mode=explicit",
                f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"]
         for api, port in self.ports.items():
-            cmd += [f"--{api}-port={port}", f"--{api}-address={self.host}"]
+            cmd += listen_flags(api, self.host, port, self._workdir)
         if self.admin_key:  # Triton's "none": no live (re)loading through the API
-            cmd += [f"--http-restricted-api=model-repository:triton-admin-key={self.admin_key}",
-                    f"--grpc-restricted-protocol=model-repository:triton-admin-key={self.admin_key}"]
+            cmd.append(f"--http-restricted-api=model-repository:triton-admin-key={self.admin_key}")
+            if self.ports["grpc"] is not None:
+                cmd.append(f"--grpc-restricted-protocol=model-repository:triton-admin-key={self.admin_key}")
         self.loaded, self.skipped = servable_models(self.repository)
         cmd += [f"--load-model={name}" for name in self.loaded]
         if "--exit-timeout-secs" not in flag_names(self.extra_args):  # how long a stop waits for in-flight requests
@@ -135,13 +148,16 @@ class TritonServer:
         if not self.repository.is_dir():
             raise ServerError(f"model repository {self.repository} does not exist (run build-repo first)")
         for api, port in self.ports.items():
-            if not port_free(self.host, port):
+            if port is not None and not port_free(self.host, port):
                 raise ServerError(f"{api} port {port} on {self.host} is busy; choose another with --{api}-port")
         if self._workdir is None:
             self.cleaned = remove_stale()
-            self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))  # 0700
             if self._own_log:
                 self.log.path = self._workdir / "tritonserver.log"
+        for api in SOCKETS:  # a dead server's socket file makes the next one's bind fail ("already in use")
+            if self.ports[api] is None and not unlink_socket(self._workdir / SOCKETS[api]):
+                raise ServerError(f"{self._workdir / SOCKETS[api]} is too long for a socket: set TMPDIR shorter")
         env = {**os.environ, **self.env}
         # The stub embeds the system libpython, which finds its prefix through the first `python3`
         # on PATH; putting this interpreter's bin/ first makes it see this venv's torch/torchvision
@@ -181,7 +197,7 @@ class TritonServer:
         """Start again after the server died: same ports, log and shared-memory prefix."""
         self._reap()
         deadline = time.monotonic() + 10  # a dead server's listening sockets take a moment to go
-        while not all(port_free(self.host, port) for port in self.ports.values()):
+        while not all(port is None or port_free(self.host, port) for port in self.ports.values()):
             if time.monotonic() > deadline:
                 break
             time.sleep(0.1)
@@ -193,8 +209,7 @@ class TritonServer:
     @contextmanager
     def _client(self, timeout: float):
         """tritonclient's HTTP client for one call: it is not thread-safe, and serve-repo calls from several threads."""
-        client = httpclient.InferenceServerClient(self.http_url, connection_timeout=min(timeout, 5.0),
-                                                  network_timeout=timeout)
+        client = sync_client(self.http_url, connection_timeout=min(timeout, 5.0), network_timeout=timeout)
         try:
             yield client
         finally:
@@ -217,7 +232,7 @@ class TritonServer:
         if any(arg.replace(" ", "=") in ("--allow-metrics=false", "--allow-metrics=0") for arg in self.extra_args):
             return True
         try:
-            socket.create_connection((self.host, self.ports["metrics"]), timeout=1).close()
+            connect(self.metrics_url, timeout=1).close()
             return True
         except OSError:
             return False

@@ -16,11 +16,12 @@ from tritonclient.utils import InferenceServerException
 
 from common.messages import first_line
 
-# Triton not answering at all (its port closed while serve-repo restarts it: aiohttp's connection errors are
+# Triton not answering at all (its socket closed while serve-repo restarts it: aiohttp's connection errors are
 # OSErrors), or not within the response timeout.
 UNREACHABLE = (OSError, asyncio.TimeoutError)
 from server.torchserve.registry import NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply, too_large
+from server.unix_http import aio_client
 
 TOP_K = 5  # ImageClassifier.topk
 PREDICTION_FAILED = "Prediction failed"
@@ -78,11 +79,11 @@ class Inference:
         self.registry, self.triton_url, self.job_queue_size, self.log = registry, triton_url, job_queue_size, log
         self.instances = instances  # () -> {Triton model: its live instances}
         self.max_request_size = max_request_size
-        self.client: aioclient.InferenceServerClient | None = None
+        self.client: aioclient.InferenceServerClient | None = None  # made in the front's loop (startup)
 
     async def startup(self) -> None:
         # One client, reused: its aiohttp session keeps connections to Triton open across requests.
-        self.client = aioclient.InferenceServerClient(self.triton_url, conn_limit=512)
+        self.client = await aio_client(self.triton_url, conn_limit=512)
 
     async def shutdown(self) -> None:
         if self.client is not None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import urllib.request
 
-import tritonclient.http.aio as aioclient
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -15,6 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from server.torchserve.registry import Registry
 from server.torchserve.replies import HANDLERS
+from server.unix_http import aio_client, get
 
 COUNTERS = (
     ("ts_inference_requests_total", "Total number of inference requests."),
@@ -54,7 +53,7 @@ class Metrics:
         return requests, latency, queued
 
     async def metrics(self, request: Request) -> Response:
-        client = aioclient.InferenceServerClient(self.triton_url)
+        client = await aio_client(self.triton_url)
         try:
             rows = [(model, await self._stats(client, model)) for model in self.registry.all()]
         finally:
@@ -70,8 +69,7 @@ class Metrics:
 
     def _triton_metrics(self) -> str:
         try:
-            with urllib.request.urlopen(f"http://{self.triton_metrics_url}/metrics", timeout=5) as reply:
-                return reply.read().decode()
+            return get(self.triton_metrics_url, "/metrics", timeout=5).decode()
         except OSError:
             return ""
 

@@ -94,8 +94,9 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     # This run's registrations (they last one run, as TorchServe's with --ncs) in a folder of its own; what they
     # build is cached in the store for every later run.
     repository = Path(tempfile.mkdtemp(prefix="triton-torchserve-repo-"))
-    server = TritonServer.local(repository, log_file=args.log_file, extra_args=extra,
-                                drain_seconds=args.drain_seconds, stub_python=args.stub_python)
+    # Reachable only through this front: any local user could send a TCP port the request that aborts Triton 2.51.
+    server = TritonServer.private(repository, log_file=args.log_file, extra_args=extra,
+                                  drain_seconds=args.drain_seconds, stub_python=args.stub_python)
     try:
         server.start(args.timeout, abort=stop)
     except ServerError as exc:
@@ -128,7 +129,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     inference = Inference(registry, server.http_url, config.max_request_size, config.job_queue_size, instances, log)
     apps = {"inference": tokens.guard(inference.app(), "inference"),
             "management": tokens.guard(Management(registry, config.enable_model_api, server).app(), "management"),
-            "metrics": Metrics(registry, server.http_url, f"127.0.0.1:{server.ports['metrics']}").app()}
+            "metrics": Metrics(registry, server.http_url, server.metrics_url).app()}
     front = Front(apps, config)
     front.start()
     if not front.ready.wait(30) or front.failed:
@@ -139,8 +140,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     log("torchserve API ready: " + "  ".join(f"{api} http://{h}:{p}" for api, (h, p) in
                                             ((a, getattr(config, a)) for a in apps))
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
-        + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on 127.0.0.1:"
-        f"{server.ports['http']}/{server.ports['grpc']}, log {server.log_file})")
+        + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on {server.http_url}, "
+        f"metrics {server.metrics_url}, no TCP port, gRPC off, log {server.log_file})")
     status = supervisor.run(stop)
     front.stop()
     server.stop(keep_log=bool(status))
