@@ -1,5 +1,6 @@
 """The proxy's connection bounds against real HAProxy: a few client addresses at their per-client caps cannot lock
-everyone else out, and one gRPC connection cannot pin more than the stated number of 1 MB stream buffers."""
+everyone else out, and one gRPC connection is told the stream limit that bounds its 1 MB stream buffers (the memory
+itself is measured by perf/proxy_memory.py, perf/results/proxy-memory.json: an allocator's peak is no test's to assert)."""
 from __future__ import annotations
 
 import socket
@@ -7,8 +8,8 @@ import time
 
 import pytest
 
-from perf.proxy_memory import (SETTINGS_MAX_CONCURRENT_STREAMS, connect_from, open_partial_grpc_streams,
-                               raise_open_files, refused_streams, rss_kb, server_settings, sources, start_proxy)
+from perf.proxy_memory import (SETTINGS_MAX_CONCURRENT_STREAMS, connect_from, raise_open_files, server_settings,
+                               sources, start_proxy)
 from server.proxy import ProxySettings
 from test_proxy import _proxy
 from test_proxy_limits import _accepted_connections
@@ -74,21 +75,6 @@ def bare_proxy(tmp_path):
 def test_proxy_tells_a_grpc_client_its_stream_limit_when_it_opens_a_connection(bare_proxy):
     with connect_from("127.0.0.2", bare_proxy.settings.grpc_port) as sock:
         assert server_settings(sock).get(SETTINGS_MAX_CONCURRENT_STREAMS) == STREAMS
-
-
-def test_proxy_pins_at_most_its_stream_limit_of_buffers_when_one_connection_opens_100_large_calls(bare_proxy):
-    before = rss_kb(bare_proxy.pid)
-    with connect_from("127.0.0.2", bare_proxy.settings.grpc_port, timeout=10) as sock:
-        server_settings(sock)
-        open_partial_grpc_streams(sock, 100, 1_000_000, 1_000_000 - 4096)  # each ~1 MB of a 1 MB message
-        peak, deadline = before, time.monotonic() + 1.5
-        while time.monotonic() < deadline:
-            _, ended = refused_streams(sock, 0.25)
-            peak = max(peak, rss_kb(bare_proxy.pid))
-            if ended:
-                break
-    # perf/results/proxy-memory.json: 1.05 MB per stream sending; 100 streams held 103 MB before the limit.
-    assert (peak - before) / 1024 < STREAMS * 1.1 + 8, (before, peak)
 
 
 def test_proxy_answers_every_call_when_one_grpc_channel_sends_more_than_its_stream_limit_at_once(server, tmp_path):
