@@ -91,7 +91,12 @@ def parser() -> argparse.ArgumentParser:
                         "request (zeros of its declared input, a tiny JPEG to NAME_image) and refuse one whose answer "
                         "is empty, not finite or not of its declared shape and dtype (server/canary.py). off: for "
                         "a model whose answer to zeros is legitimately not finite. Default: on.")
-    ts = p.add_argument_group("TorchServe's API (instead of --repository: start as torchserve starts)")
+    ts = p.add_argument_group(
+        "TorchServe's API (instead of --repository: start as torchserve starts)",
+        "Of the options above, --log-file, --stub-python, --timeout, --canary, --drain-seconds, --max-restarts,\n"
+        "--max-unfreed-instances and tritonserver's flags after -- apply here too; the others (Triton's own API,\n"
+        "the proxy's) are refused in one line naming what does their job. The options below need --model-store\n"
+        "or --torchserve-config.")
     ts.add_argument("--torchserve-config", "--ts-config", metavar="FILE", type=Path,
                     help="TorchServe's config.properties: its inference, management and metrics addresses, "
                          "model_store, load_models, models, enable_model_api, max_request_size, job_queue_size, "
