@@ -16,6 +16,7 @@ from server.procfs import KEPT_LOG_FOLDER
 from server.proxy import Proxy, ProxySettings, busy, exposed
 from server.supervisor import Supervisor
 from server.repo import GPU_FLAGS, in_flight
+from server.torchserve import flags
 from server.triton import ServerError, TritonServer
 
 
@@ -90,7 +91,12 @@ def parser() -> argparse.ArgumentParser:
                         "request (zeros of its declared input, a tiny JPEG to NAME_image) and refuse one whose answer "
                         "is empty, not finite or not of its declared shape and dtype (server/canary.py). off: for "
                         "a model whose answer to zeros is legitimately not finite. Default: on.")
-    ts = p.add_argument_group("TorchServe's API (instead of --repository: start as torchserve starts)")
+    ts = p.add_argument_group(
+        "TorchServe's API (instead of --repository: start as torchserve starts)",
+        "Of the options above, --log-file, --stub-python, --timeout, --canary, --drain-seconds, --max-restarts,\n"
+        "--max-unfreed-instances and tritonserver's flags after -- apply here too; the others (Triton's own API,\n"
+        "the proxy's) are refused in one line naming what does their job. The options below need --model-store\n"
+        "or --torchserve-config.")
     ts.add_argument("--torchserve-config", "--ts-config", metavar="FILE", type=Path,
                     help="TorchServe's config.properties: its inference, management and metrics addresses, "
                          "model_store, load_models, models, enable_model_api, max_request_size, job_queue_size, "
@@ -120,8 +126,9 @@ def parser() -> argparse.ArgumentParser:
                          "handle() per batch), image_classifier ones too, for comparison. Default: off "
                          "(image_classifier archives take the image path).")
     ts.add_argument("--trust-model-code", action="store_true",
-                    help="build-repo --trust-model-code: run an archive's model file where its weights fit no "
-                         "torchvision model. Default: off.")
+                    help="accepted and not needed (one log line says so): as under TorchServe, the archives in the "
+                         "model store and those allowed_urls admits run their code (build-repo --trust-model-code "
+                         "for each). Default: off.")
     p.add_argument("triton_args", nargs=argparse.REMAINDER, metavar="-- TRITONSERVER_FLAG ...",
                    help="flags passed to tritonserver unchanged, after `--` (e.g. -- --log-verbose=1 "
                         "--cuda-memory-pool-byte-size=0:1073741824). Default: none; a repository with GPU "
@@ -137,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_in_flight is not None and args.max_in_flight < 1 or args.queue_ms < 1:
         p.error("--max-in-flight and --queue-ms must be >= 1")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
-    if args.torchserve_config or args.model_store:
+    torchserve = bool(args.torchserve_config or args.model_store)
+    refused = flags.refusal(p, flags.given(parser(), argv), args, torchserve)
+    if refused:  # before anything starts: a flag this mode would leave unread
+        p.error(refused)
+    if torchserve:
         return _torchserve(args, extra)
     ipv6 = ":" in args.host  # Triton 2.51's gRPC server cannot parse an IPv6 address: the proxy listens there
     use_proxy = args.proxy == "on" or args.proxy == "auto" and (exposed(args.host) or ipv6)

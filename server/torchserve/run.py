@@ -25,6 +25,9 @@ from server.torchserve.replies import Tokens
 from server.triton import TritonServer
 
 KEY_FILE = "key_file.json"  # TorchServe writes it in the directory it was started from
+# TorchServe's trust: the model store is the operator's, and allowed_urls says what else a registration may fetch
+# (archives.locate); an archive admitted by them runs its code, as TorchServe runs it (docs/security.md).
+TRUST = ("--trust-model-code",)
 
 
 def configure(args) -> Settings:
@@ -86,6 +89,9 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         return 2
     for key in config.unsupported:
         log(f"config.properties: {key} is not supported by serve-repo; ignored")
+    if args.trust_model_code:
+        log("--trust-model-code: not needed in TorchServe mode, and changes nothing: as under TorchServe, the archives "
+            "in the model store and those allowed_urls admits run their code")
     for api in ("inference", "management", "metrics"):
         host, port = getattr(config, api)
         if not port_free(host, port):
@@ -106,8 +112,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         return 1
     build_options = [*(["--precision", args.precision] if args.precision else []),
                      *(["--engine", args.engine] if args.engine else []),
-                     *(["--trust-model-code"] if args.trust_model_code else []),
-                     *(["--handler-path"] if args.handler_path else [])]
+                     *TRUST, *(["--handler-path"] if args.handler_path else [])]
     if (config.default_workers or 0) > config.max_workers:
         log(f"config.properties: default_workers_per_model={config.default_workers} is over max_workers_per_model="
             f"{config.max_workers}: {config.max_workers} per model")
