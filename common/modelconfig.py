@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 
@@ -53,3 +53,13 @@ def with_instances(config: dict, count: int) -> dict:
 def instance_count(config: dict) -> int:
     """Instances per device in `config` (Triton's JSON form): the counts of its groups added up."""
     return sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])
+
+
+def set_instances(config: mc.ModelConfig, count: int) -> None:
+    """`config` (the protobuf) serving `count` instances of its first group's kind (KIND_CPU where it has none),
+    as `count` groups of one (instance_groups), the first group's other fields kept."""
+    first = (json_format.MessageToDict(config.instance_group[0], preserving_proto_field_name=True)
+             if config.instance_group else {"kind": "KIND_CPU"})
+    del config.instance_group[:]
+    for group in instance_groups(first.get("kind", "KIND_CPU"), count, first):
+        json_format.ParseDict(group, config.instance_group.add())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common.modelconfig import read_config, to_text
+from common.modelconfig import read_config, set_instances, to_text
 from server import canary
 from server.errors import ServerError
 from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, ArchiveProblem, build, downloaded, inspect,
@@ -216,7 +216,7 @@ class Registry:
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
                       at_most: int | None = None, max_pixels: int | None = None) -> None:
         """`source` as served here: config.properties' `max_pixels` where given, `instances` (else as built, up to `at_most`) of the
-        first group's kind, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
+        first group's kind as that many groups of one, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
         TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
         for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
         config = read_config(source)
@@ -227,11 +227,8 @@ class Registry:
         built = sum(group.count or 1 for group in config.instance_group)
         if instances is None and at_most is not None and built > at_most:
             instances = at_most
-        if instances is not None:
-            group = config.instance_group[0] if config.instance_group else None
-            kind = group.kind if group is not None else 0
-            del config.instance_group[:]
-            config.instance_group.add(count=instances, kind=kind)
+        if instances is not None:  # N groups of one, as build-repo writes them: a dead stub is replaced alone
+            set_instances(config, instances)
         target.write_text(to_text(config))
 
     def scale(self, model: Model, workers: int) -> None:
