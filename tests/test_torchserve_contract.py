@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from google.protobuf import json_format
 
+from common.build_result import BuildResult, BuiltModel
 from common.modelconfig import read_config, to_text
-from server.torchserve.registry import Registry
+from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build
+from server.torchserve.registry import Model, Registry
 from tritonclient.grpc import model_config_pb2 as mc
 
 
@@ -38,3 +41,34 @@ def test_a_decoder_built_with_more_instances_than_the_workers_is_clamped_to_grou
     target = tmp_path / "served.pbtxt"
     Registry._write_config(source, target, None, at_most=2)
     assert [(g["kind"], g["count"]) for g in _groups(target)] == [("KIND_CPU", 1)] * 2
+
+
+def test_build_repo_result_round_trips_through_json_and_refuses_an_unknown_role_when_parsed():
+    result = BuildResult("/r", (BuiltModel("m_image", "image"), BuiltModel("m", "classifier"),
+                                BuiltModel("m_preprocess", "preprocess")))
+    assert BuildResult.from_json(result.to_json()) == result
+    assert (result.handler, result.entry(), result.load_order()) == (False, "m_image", ["m", "m_preprocess", "m_image"])
+    handled = BuildResult("/r", (BuiltModel("h", "handler"),))
+    assert (handled.handler, handled.entry(), handled.load_order()) == (True, "h", ["h"])
+    failed = BuildResult.from_json('{"error": "no such file", "status": 2}')
+    assert (failed.error, failed.status, failed.models) == ("no such file", 2, ())
+    with pytest.raises(ValueError, match="`role` must be one of"):
+        BuildResult("/r", (BuiltModel("m", "decoder"),))
+    with pytest.raises(ValueError, match="not build-repo's JSON result"):
+        BuildResult.from_json("wrote /r/m/config.pbtxt")
+
+
+def test_the_front_takes_build_repos_error_from_its_json_and_a_model_its_role_from_the_result(tmp_path: Path):
+    bogus = tmp_path / "bogus.mar"
+    bogus.write_bytes(b"not a zip")
+    info = ArchiveInfo(bogus, "bogus.mar", "bogus", "1.0", "", None, "0" * 64)
+    logged = []
+    with pytest.raises(ArchiveProblem) as failed:
+        build(info, "bogus", tmp_path / "cache", [], logged.append)
+    assert str(failed.value).startswith("Failed to load model bogus: ") and "bogus.mar" in str(failed.value)
+    assert not any(p.is_dir() for p in (tmp_path / "cache").iterdir())  # nothing left in the cache
+    model = Model("h", "1.0", info, "h", 1, 100, 1, 120, False, result=BuildResult("/r", (BuiltModel("h", "handler"),)))
+    assert model.handler and model.entry == "h"
+    model = Model("m", "1.0", info, "m", 1, 100, 1, 120, False, result=BuildResult("/r", (
+        BuiltModel("m", "classifier"), BuiltModel("m_image", "image"))))
+    assert not model.handler and model.entry == "m_image"

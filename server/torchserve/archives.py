@@ -15,13 +15,15 @@ import tempfile
 import time
 import urllib.request
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from common.build_result import BuildResult
 from common.messages import first_line
 
 MANIFEST = "MAR-INF/MANIFEST.json"
+BUILD_RESULT = "build.json"  # build-repo --json's result, kept in its build in the cache
 MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to this much
 DOWNLOAD_DEADLINE_S = 600  # and within this (a byte per minute would hold a thread for ever)
 MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml larger than this is not read for its minWorkers
@@ -193,31 +195,40 @@ def _labels(mapping) -> dict[str, str] | None:
     return {str(k): str(v[-1] if isinstance(v, list) and v else v) for k, v in mapping.items()}
 
 
-def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> Path:
-    """A model repository holding `triton_name` (+ _preprocess, _image) built by build-repo from the archive,
-    cached by the archive's checksum and the build's options: a restart or a second registration reuses it."""
+def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> tuple[Path, BuildResult]:
+    """A model repository holding `triton_name` (+ _preprocess, _image) built by build-repo from the archive, and
+    build-repo's result (--json: which model is what), cached by the archive's checksum and the build's options: a
+    restart or a second registration reuses it."""
     key = hashlib.sha256(json.dumps([info.sha256, triton_name, options]).encode()).hexdigest()[:24]
     built = cache / key
-    if (built / triton_name / "config.pbtxt").is_file():
+    try:
+        result = BuildResult.from_json((built / BUILD_RESULT).read_text())
         os.utime(built)  # used now: the last a prune removes
-        return built
+        return built, result
+    except (OSError, ValueError):  # not built yet (or by a serve-repo that kept no result): built now
+        pass
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
     command = [sys.executable, "-m", "builder.cli", "--from-mar", str(info.path), "--name", triton_name,
-               "--output", str(staging / "repo"), *options]
+               "--output", str(staging / "repo"), *options, "--json"]
     log(f"building {triton_name} from {info.path.name}: build-repo {' '.join(command[3:])}")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    try:
+        result = BuildResult.from_json(done.stdout)
+    except ValueError:  # build-repo died before it could say (killed, a crash): its status, and stderr in the log
+        log(f"build-repo for {triton_name} failed: {done.stderr.strip()[-2000:]}")
+        result = BuildResult(error=f"build-repo failed (exit status {done.returncode})", status=done.returncode or 1)
+    if done.returncode != 0 or result.error is not None:
         shutil.rmtree(staging, ignore_errors=True)
-        reason = (result.stderr.strip().splitlines() or ["build-repo failed"])[-1]
-        raise ArchiveProblem(f"Failed to load model {info.name}: {reason.removeprefix('build-repo: error: ')}", 500,
-                             "InternalServerException")
+        raise ArchiveProblem(f"Failed to load model {info.name}: {result.error}", 500, "InternalServerException")
     shutil.rmtree(built, ignore_errors=True)
     os.replace(staging / "repo", built)
     shutil.rmtree(staging, ignore_errors=True)
-    return built
+    result = replace(result, repository=str(built))
+    (built / BUILD_RESULT).write_text(result.to_json())  # last: its presence marks a whole build
+    return built, result
 
 
 KEEP_UNUSED_BUILDS = 8  # builds no registration serves that the cache keeps (the most recently used)

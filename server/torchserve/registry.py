@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from common.build_result import BuildResult
 from common.modelconfig import read_config, set_instances, to_text
 from server import canary
 from server.errors import ServerError
@@ -77,12 +78,13 @@ class Model:
     pending: int = 0  # predictions this model was found for and not yet answered (counted by the event loop)
     queued: int = 0  # of those, the ones whose body is read: TorchServe's job queue (a slow body is not in it)
     built: Path | None = None  # its build in the cache (archives.build)
+    result: BuildResult = field(default_factory=BuildResult)  # build-repo --json's: each model's role
 
     @property
     def handler(self) -> bool:
         """Served by the archive's own handler (build-repo --from-mar of a custom handler's archive: one model,
-        BODY in, RESPONSE and CONTENT_TYPE out), not by the image path (NAME_image)."""
-        return self.members == [self.triton]
+        BODY in, contract.HANDLER_OUTPUTS out), not by the image path (NAME_image), as build-repo said."""
+        return self.result.handler
 
     @property
     def image_model(self) -> str:
@@ -155,11 +157,11 @@ class Registry:
             # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall (docs/performance.md);
             # job_queue_size is bounded in the front instead (Model.pending).
             options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay)]
-            built = build(info, triton, self.cache, options, self.log)
+            built, result = build(info, triton, self.cache, options, self.log)
             for removed in prune(self.cache, {built} | {m.built for m in self.all()}):
                 self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
             model = Model(name, info.version, info, triton, batch, delay, count, response_timeout, loaded_at_startup,
-                          built=built)
+                          built=built, result=result)
             self._serve(model, built)
             self.models.setdefault(name, {})[info.version] = model
             self.defaults.setdefault(name, info.version)
@@ -175,8 +177,7 @@ class Registry:
 
     def _serve(self, model: Model, built: Path) -> None:
         """Link the built models into the served repository and load them (the ensemble last)."""
-        members = sorted((p.name for p in built.iterdir() if (p / "config.pbtxt").is_file()),
-                         key=lambda n: (n == model.image_model, n))
+        members = model.result.load_order()
         for member in members:
             target = self.server.repository / member
             shutil.rmtree(target, ignore_errors=True)
