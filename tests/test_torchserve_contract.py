@@ -72,3 +72,45 @@ def test_the_front_takes_build_repos_error_from_its_json_and_a_model_its_role_fr
     model = Model("m", "1.0", info, "m", 1, 100, 1, 120, False, result=BuildResult("/r", (
         BuiltModel("m", "classifier"), BuiltModel("m_image", "image"))))
     assert not model.handler and model.entry == "m_image"
+
+
+LABEL_CASES = [{"0": ["n01440764", "tench"], "1": ["n01443537", "goldfish"]}, {"1": "goldfish", "0": "tench"},
+               {"object_type_names": ["tench", "goldfish"]}, {"0": [5, "tench"], "1": "goldfish"},
+               {"0": ["tench", 5]}, {"0": 3}, ["tench", "goldfish"]]
+
+
+@pytest.mark.parametrize("content", LABEL_CASES)
+def test_build_repo_and_the_front_read_an_archives_labels_by_torchserves_one_rule_when_given(tmp_path: Path, content):
+    import json
+    import zipfile
+
+    from ts.utils.util import load_label_mapping
+
+    from builder.custom import load_labels
+    from builder.weights import WeightsError
+    from common.archive import ArchiveError, label_mapping
+    from server.torchserve.archives import inspect
+
+    path = tmp_path / "index_to_name.json"
+    path.write_text(json.dumps(content))
+    try:
+        expected = load_label_mapping(str(path))  # TorchServe 0.12's own
+    except Exception:  # noqa: BLE001 - it raises a bare Exception
+        expected = None
+    if expected is None:
+        with pytest.raises(ArchiveError):
+            label_mapping(content)
+    else:
+        assert label_mapping(content) == {key: str(name) for key, name in expected.items()}
+    archive = tmp_path / "m.mar"
+    with zipfile.ZipFile(archive, "w") as mar:
+        mar.writestr("MAR-INF/MANIFEST.json", json.dumps({"model": {"modelName": "m", "handler": "image_classifier"}}))
+        mar.writestr("index_to_name.json", json.dumps(content))
+    assert inspect(archive, "m.mar").labels == (None if expected is None else label_mapping(content))
+    if isinstance(content, list):  # build-repo's --labels also takes a plain list of names
+        assert load_labels(path) == content
+    elif expected is None:
+        with pytest.raises(WeightsError, match="index->name"):
+            load_labels(path)
+    else:  # the same names, in index order
+        assert load_labels(path) == [expected[str(i)] for i in range(len(expected))]

@@ -19,10 +19,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from common.archive import ArchiveError, read_labels, read_manifest
 from common.build_result import BuildResult
 from common.messages import first_line
 
-MANIFEST = "MAR-INF/MANIFEST.json"
 BUILD_RESULT = "build.json"  # build-repo --json's result, kept in its build in the cache
 MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to this much
 DOWNLOAD_DEADLINE_S = 600  # and within this (a byte per minute would hold a thread for ever)
@@ -152,18 +152,22 @@ def inspect(path: Path, url: str) -> ArchiveInfo:
             while chunk := source.read(1 << 20):
                 digest.update(chunk)
         with zipfile.ZipFile(path) as archive:
-            model = json.loads(archive.read(MANIFEST)).get("model") or {}
+            manifest = read_manifest(archive, named=False)
+            model = (manifest.get("model") if isinstance(manifest, dict) else None) or {}
             names = set(archive.namelist())
-            labels = json.loads(archive.read("index_to_name.json")) if "index_to_name.json" in names else None
+            try:
+                labels = read_labels(archive)
+            except ArchiveError:  # TorchServe's handler would fail to load; build-repo says why
+                labels = None
             config = str(model.get("configFile") or "model-config.yaml") if isinstance(model, dict) else ""
             small = config in names and archive.getinfo(config).file_size <= MAX_CONFIG_BYTES
             settings = _yaml(archive.read(config)) if small else {}
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError):
+    except (zipfile.BadZipFile, ArchiveError, KeyError, UnicodeDecodeError, OSError, AttributeError):
         raise ArchiveProblem(f"Model name is not defined: {url} is not a model archive (.mar)") from None
     if not isinstance(model, dict) or not model.get("modelName"):
         raise ArchiveProblem("Model name is not defined.")
     return ArchiveInfo(path, url, str(model["modelName"]), str(model.get("modelVersion") or "1.0"),
-                       str(model.get("handler") or ""), _labels(labels), digest.hexdigest(),
+                       str(model.get("handler") or ""), labels, digest.hexdigest(),
                        _archive_workers(settings))
 
 
@@ -184,15 +188,6 @@ def _archive_workers(settings: dict) -> int | None:
     low, high = (settings.get(key) for key in ("minWorkers", "maxWorkers"))
     numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high))
     return low if numbers and 0 < low <= high else None
-
-
-def _labels(mapping) -> dict[str, str] | None:
-    """index_to_name.json as ts.utils.util.load_label_mapping reads it: a list value stands for its last item."""
-    if not isinstance(mapping, dict):
-        return None
-    if isinstance(mapping.get("object_type_names"), list):
-        return {str(i): str(v) for i, v in enumerate(mapping["object_type_names"])}
-    return {str(k): str(v[-1] if isinstance(v, list) and v else v) for k, v in mapping.items()}
 
 
 def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> tuple[Path, BuildResult]:
