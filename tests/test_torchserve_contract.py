@@ -114,3 +114,16 @@ def test_build_repo_and_the_front_read_an_archives_labels_by_torchserves_one_rul
             load_labels(path)
     else:  # the same names, in index order
         assert load_labels(path) == [expected[str(i)] for i in range(len(expected))]
+
+
+def test_served_config_changes_only_what_it_is_given_and_refuses_an_undocumented_parameter(tmp_path: Path):
+    from common.modelconfig import served
+
+    config = read_config(_config(tmp_path / "c.pbtxt", "KIND_CPU", 2))
+    config.dynamic_batching.max_queue_delay_microseconds = 5000
+    changed = served(config, queue_delay_us=0, parameters={"max_pixels": "1000"})
+    assert config.dynamic_batching.max_queue_delay_microseconds == 5000  # a copy: the built one unchanged
+    assert changed.dynamic_batching.max_queue_delay_microseconds == 0
+    assert changed.parameters["max_pixels"].string_value == "1000" and changed.instance_group == config.instance_group
+    with pytest.raises(ValueError, match="max_pixel are not in"):
+        served(config, parameters={"max_pixel": "1000"})

@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common.build_result import BuildResult
-from common.modelconfig import read_config, set_instances, to_text
+from common.modelconfig import read_config, served, to_text
 from server import canary
 from server.errors import ServerError
 from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, ArchiveProblem, build, downloaded, inspect,
@@ -220,17 +220,9 @@ class Registry:
         first group's kind as that many groups of one, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
         TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
         for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
-        config = read_config(source)
-        if not wait and config.HasField("dynamic_batching"):
-            config.dynamic_batching.max_queue_delay_microseconds = 0
-        if max_pixels is not None:
-            config.parameters["max_pixels"].string_value = str(max_pixels)
-        built = sum(group.count or 1 for group in config.instance_group)
-        if instances is None and at_most is not None and built > at_most:
-            instances = at_most
-        if instances is not None:  # N groups of one, as build-repo writes them: a dead stub is replaced alone
-            set_instances(config, instances)
-        target.write_text(to_text(config))
+        # N groups of one, as build-repo writes them: a dead stub is replaced alone
+        target.write_text(to_text(served(read_config(source), instances, at_most, None if wait else 0,
+                                         None if max_pixels is None else {"max_pixels": str(max_pixels)})))
 
     def scale(self, model: Model, workers: int) -> None:
         """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps
