@@ -1,7 +1,8 @@
 """-> NAME/1/model.py for a TorchServe archive's handler: its handle() once per batch Triton formed.
 
 The archive is unpacked in archive/ beside this file (its own model.py cannot clash with this one). Each
-request's BODY (one BYTES element) is one TorchServe request item; RESPONSE and CONTENT_TYPE carry its answer.
+request's BODY (one BYTES element) is one TorchServe request item; RESPONSE and CONTENT_TYPE carry its answer,
+STATUS its HTTP status (contract.py's handler tensors).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import triton_python_backend_utils as pb_utils
 
 import ts_engine
 import ts_worker
+from contract import BODY, CONTENT_TYPE, RESPONSE, STATUS, STATUS_PARAMETER
 
-BODY, RESPONSE, CONTENT_TYPE = "BODY", "RESPONSE", "CONTENT_TYPE"
 ARCHIVE_DIR = "archive"
 
 
@@ -36,7 +37,7 @@ class TritonPythonModel:
         folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), ARCHIVE_DIR)
         # A handler failing here fails the load: Triton reports the reason (ts_worker.HandlerError's message).
         self.service = ts_worker.load(folder, args["model_name"], gpu, max(int(config.get("max_batch_size", 1)), 1))
-        name = f"{args['model_name']} (instance {args.get('model_instance_name', '')})"
+        self.name = name = f"{args['model_name']} (instance {args.get('model_instance_name', '')})"
 
         def report(message: str, warning: bool) -> None:
             (pb_utils.Logger.log_warn if warning else pb_utils.Logger.log_info)(f"{name}: {message}")
@@ -48,7 +49,7 @@ class TritonPythonModel:
             report(f"the handler's model runs on eager PyTorch: {why_not}", False)
 
     def execute(self, requests):
-        responses, items, owners = [None] * len(requests), [], []
+        responses, items, owners, as_status = [None] * len(requests), [], [], [False] * len(requests)
         for index, request in enumerate(requests):
             body = pb_utils.get_input_tensor_by_name(request, BODY).as_numpy().reshape(-1)
             if body.size != 1:
@@ -56,17 +57,21 @@ class TritonPythonModel:
                                           f"takes), got {body.size}", invalid=True)
                 continue
             value = body[0] if isinstance(body[0], bytes) else bytes(body[0])
+            headers = _headers(request)
+            as_status[index] = headers.pop(STATUS_PARAMETER, None) is not None
             try:
-                items.append(ts_worker.request_item(value, _headers(request)))
+                items.append(ts_worker.request_item(value, headers))
             except ts_worker.Refused as exc:  # this request alone: its neighbours go to handle() without it
-                responses[index] = _error(str(exc), invalid=True)
+                failed = ts_worker.Answer(error=exc.reason, status=exc.status)
+                responses[index] = _answer(failed, as_status[index], invalid=True)
                 continue
             owners.append(index)
         if items:
-            for index, answer in zip(owners, ts_worker.predict(self.service, items)):
-                responses[index] = _error(answer.error, invalid=False) if answer.error is not None else \
-                    pb_utils.InferenceResponse(output_tensors=[_bytes(RESPONSE, answer.payload),
-                                                               _bytes(CONTENT_TYPE, answer.content_type.encode())])
+            answers = ts_worker.predict(self.service, items)
+            for failure in sorted({answer.failure() for answer in answers if answer.error is not None}):
+                pb_utils.Logger.log_warn(f"{self.name}: {failure}")  # the reason, which TorchServe's answer omits
+            for index, answer in zip(owners, answers):
+                responses[index] = _answer(answer, as_status[index])
         return responses
 
 
@@ -81,6 +86,19 @@ def _headers(request) -> dict[str, str]:
 
 def _bytes(name: str, value: bytes):
     return pb_utils.Tensor(name, np.array([[value]], dtype=np.object_))
+
+
+def _answer(answer, as_status: bool, invalid: bool = False):
+    """`answer` (ts_worker.Answer) as RESPONSE, CONTENT_TYPE and STATUS; a failure the same way where the request
+    asked for it (STATUS_PARAMETER: the TorchServe front, RESPONSE its message), else as a Triton error (no outputs)
+    whose message says the status in words."""
+    if answer.error is not None and not as_status:
+        return _error(answer.failure(), invalid=invalid)
+    payload, content_type = (answer.payload, answer.content_type) if answer.error is None else \
+        (answer.error.encode("utf-8", "replace"), "")
+    return pb_utils.InferenceResponse(output_tensors=[
+        _bytes(RESPONSE, payload), _bytes(CONTENT_TYPE, content_type.encode()),
+        pb_utils.Tensor(STATUS, np.array([[answer.status]], dtype=np.int32))])
 
 
 def _error(message: str, *, invalid: bool):

@@ -27,7 +27,7 @@ JSON = "application/json"
 # common/decoding.py's DEFAULT_MAX_PIXELS (this file imports no module of ours): the largest image, by its header,
 # a request may bring when the model's config names no `max_pixels`.
 DEFAULT_MAX_PIXELS = 50_000_000
-TOO_LARGE, BAD_REQUEST = 413, 400
+TOO_LARGE, BAD_REQUEST, PREDICTION_FAILED = 413, 400, 503
 logger = logging.getLogger("ts_handler")
 
 
@@ -45,11 +45,18 @@ class Refused(ValueError):
 
 @dataclass(frozen=True)
 class Answer:
-    """One request's answer: the payload as TorchServe's worker serializes it, or an error."""
+    """One request's answer: the payload as TorchServe's worker serializes it, or an error: TorchServe's message,
+    the HTTP status its frontend answers with, and the reason (for the log: TorchServe's answer names none)."""
 
     payload: bytes = b""
     content_type: str = ""
     error: str | None = None
+    status: int = 200
+    reason: str = ""
+
+    def failure(self) -> str:
+        """The error in words, its status and reason in them: `Prediction failed (503): ValueError: ...`."""
+        return f"{self.error} ({self.status})" + (f": {self.reason}" if self.reason else "")
 
 
 def load(model_dir: str, model_name: str, gpu: int | None, batch_size: int):
@@ -169,25 +176,25 @@ def predict(service, items: list[tuple[dict, dict]]) -> list[Answer]:
         # handle (torchserve is pinned, so is this attribute).
         answers = service._entry_point(data, context)
     except MemoryError:
-        return _fail(len(items), "Out of resources (507): out of memory")
+        return _fail(len(items), "Out of resources", "out of memory", 507)
     except PredictionException as exc:
-        return _fail(len(items), f"{exc.message} ({exc.error_code})")
+        return _fail(len(items), str(exc.message), "", exc.error_code)
     except (Exception, SystemExit) as exc:  # the handler's own code: one batch's failure never ends the stub
         logger.warning("Invoking custom service failed.", exc_info=True)
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
-        return _fail(len(items), f"Out of resources (507): {reason}" if "CUDA" in str(exc)
-                     else f"Prediction failed (503): {reason}")
+        return _fail(len(items), "Out of resources", reason, 507) if "CUDA" in str(exc) else \
+            _fail(len(items), "Prediction failed", reason)
     if not isinstance(answers, list):
-        return _fail(len(items), f"Invalid model predict output (503): handle() returned {type(answers).__name__}, "
-                                 "not a list")
+        return _fail(len(items), "Invalid model predict output",
+                     f"handle() returned {type(answers).__name__}, not a list")
     if len(answers) != len(items):
-        return _fail(len(items), f"number of batch response mismatched (503): expected {len(items)} answers, "
-                                 f"got {len(answers)}")
+        return _fail(len(items), "number of batch response mismatched",
+                     f"expected {len(items)} answers, got {len(answers)}")
     context.metrics.add_time("PredictionTime", round((time.time() - start) * 1000, 2))
     try:
         return [_answer(context, index, answer) for index, answer in enumerate(answers)]
     except TypeError as exc:
-        return _fail(len(items), f"Unsupported model output data type. (503): {_first_line(exc)}")
+        return _fail(len(items), "Unsupported model output data type.", _first_line(exc))
 
 
 def serialize(answer) -> tuple[bytes, bool]:
@@ -210,13 +217,16 @@ def _answer(context, index: int, answer) -> Answer:
     payload, is_json = serialize(answer)
     code, phrase = context.get_response_status(index)
     if code is not None and code >= 400:  # the handler failed this request alone (context.set_response_status)
-        return Answer(error=f"{phrase or 'error'} ({code})")
+        return Answer(error=phrase or "error", status=code)
     content_type = context.get_response_content_type(index) or (JSON if is_json else "")
     return Answer(payload, content_type)
 
 
-def _fail(count: int, message: str) -> list[Answer]:
-    return [Answer(error=message)] * count
+def _fail(count: int, message: str, reason: str = "", status=PREDICTION_FAILED) -> list[Answer]:
+    """Every request of the batch failed with TorchServe's `message` and `status` (a handler's PredictionException
+    may name any: outside 400..599, 503)."""
+    status = status if isinstance(status, int) and 400 <= status <= 599 else PREDICTION_FAILED
+    return [Answer(error=message, status=status, reason=reason)] * count
 
 
 def _first_line(exc: BaseException) -> str:

@@ -5,6 +5,9 @@ with a state_dict (--model-file + --weights)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import signal
 import sys
 import tempfile
@@ -16,6 +19,7 @@ from builder.plan import check_source, make_plan, precision_note
 from builder.repository import ENGINES, BuildError, InterruptedAfterSwap, build, check_free, check_writable
 from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
 from common import precision as precisions
+from common.build_result import BuiltModel, BuildResult
 from common.cli import OneLineParser
 from common.contract import IMAGE_INPUTS
 
@@ -172,6 +176,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true",
                    help="run every export in-process against eager torch; fail above 1e-4. Default: off.")
     p.add_argument("--force", action="store_true", help="replace existing model directories. Default: off.")
+    p.add_argument("--json", action="store_true",
+                   help="print the result as one JSON object on stdout, its only output: the repository and the "
+                        "models written, each with its role (classifier, preprocess, image, export, handler); on "
+                        'failure {"error", "status"} and that exit status. The rest goes to stderr. Default: off.')
     return p
 
 
@@ -185,60 +193,103 @@ def _formats(text: str) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--json" not in argv:
+        return _build(argv, {})
+    # One JSON object on stdout and nothing else: everything else build-repo (or a library under it) writes to
+    # stdout goes to stderr meanwhile, at the file descriptor (a C library's output too).
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    out: dict = {}
+    try:
+        status = _build(argv, out)
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+    if not status and "models" not in out:  # --help
+        return status
+    result = BuildResult(error=out.get("error") or f"build-repo failed (exit status {status})", status=status) \
+        if status else BuildResult(str(out["repository"]), tuple(out["models"]))
+    print(result.to_json(), flush=True)
+    return status
+
+
+def _build(argv: list[str], out: dict) -> int:
+    """build-repo itself; `out` gets what --json prints: the repository and the models written, or the error."""
+    errors = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(errors):  # argparse's one line, kept for the JSON error too
+            args = parser().parse_args(argv)
+    except SystemExit as exc:
+        sys.stderr.write(errors.getvalue())
+        out["error"] = errors.getvalue().strip().removeprefix("build-repo: error: ")
+        return int(exc.code or 0)
     # SIGTERM ends the build like Ctrl-C: through build()'s cleanup, leaving no staging folder.
     signal.signal(signal.SIGTERM, _terminate)
     with tempfile.TemporaryDirectory(prefix="build-repo-") as workdir:
         try:
-            return _main(args, Path(workdir))
+            return _main(args, Path(workdir), out)
         except InterruptedAfterSwap:
-            print("build-repo: interrupted; the new models were already in place", file=sys.stderr)
-            return 130
+            return _failed(out, "interrupted; the new models were already in place", 130)
         except KeyboardInterrupt:
-            print("build-repo: interrupted; nothing was written", file=sys.stderr)
-            return 130
+            return _failed(out, "interrupted; nothing was written", 130)
 
 
-def _main(args, workdir: Path) -> int:
+def _failed(out: dict, message, status: int) -> int:
+    print(f"build-repo: {'' if status == 130 else 'error: '}{message}", file=sys.stderr)
+    out["error"] = str(message)
+    return status
+
+
+def _written(out: dict, output: Path, configs: list[Path], roles: dict[str, str]) -> None:
+    for path in configs:
+        print(f"wrote {path}")
+    out["repository"] = str(output.resolve())
+    out["models"] = [BuiltModel(path.parent.name, roles[path.parent.name]) for path in configs]
+
+
+def _roles(name: str) -> dict[str, str]:
+    """What each model an image-path build may write is (common/build_result.py's ROLES)."""
+    return {name: "classifier", f"{name}_preprocess": "preprocess", f"{name}_image": "image",
+            f"{name}_onnx": "export", f"{name}_torchscript": "export"}
+
+
+def _main(args, workdir: Path, out: dict) -> int:
     archive = None
     try:
         check_source(args)  # before reading an archive
         if args.from_mar is not None and handler_model.takes(args, mar.manifest(args.from_mar)):
-            return _handler_model(args)
+            return _handler_model(args, out)
         if args.from_mar is not None:
             archive = mar.read(args.from_mar, workdir / "archive", int(args.max_archive_gb * (1 << 30)))
         plan = make_plan(args, archive)
     except cfg.ConfigError as exc:
-        print(f"build-repo: error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(out, exc, 2)
     except WeightsError as exc:  # an archive that cannot be read
-        print(f"build-repo: error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(out, exc, 1)
     try:
         check_free(args.output, plan.name, plan.options.formats, args.force, plan.options.image_model)  # early
         check_writable(args.output)
         classifier = sources.load(plan, archive)
         print(f"serving {plan.name}: {sources.describe(classifier)}; preprocessing {classifier.preprocessing}")
-        for path in build(classifier, args.output, plan.options, force=args.force):
-            print(f"wrote {path}")
+        _written(out, args.output, build(classifier, args.output, plan.options, force=args.force), _roles(plan.name))
         print(precision_note(plan.options))
     except (BuildError, WeightsError, cfg.ConfigError) as exc:
-        print(f"build-repo: error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(out, exc, 1)
     return 0
 
 
-def _handler_model(args) -> int:
+def _handler_model(args, out: dict) -> int:
     """--from-mar for an archive served with its own handler (builder/handler_model.py)."""
     try:
-        for path in handler_model.build(args):
-            print(f"wrote {path}")
+        configs = handler_model.build(args)
+        _written(out, args.output, configs, {path.parent.name: "handler" for path in configs})
     except cfg.ConfigError as exc:
-        print(f"build-repo: error: {exc}", file=sys.stderr)
-        return 2
+        return _failed(out, exc, 2)
     except (BuildError, WeightsError) as exc:
-        print(f"build-repo: error: {exc}", file=sys.stderr)
-        return 1
+        return _failed(out, exc, 1)
     return 0
 
 

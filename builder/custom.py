@@ -14,6 +14,7 @@ import torchvision
 
 from builder.weights import (Classifier, ModelCode, Preprocessing, WeightsError, classification_models,
                              torchvision_module)
+from common.archive import ArchiveError, label_mapping
 from common.messages import first_line
 
 
@@ -163,7 +164,11 @@ def load_labels(path: Path) -> list[str]:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise WeightsError(f"labels {path} is not valid JSON: {exc}") from None
-    if isinstance(data, dict):
+    if isinstance(data, dict):  # TorchServe's rule for a name (common/archive.py), then the indices in order
+        try:
+            data = label_mapping(data)
+        except ArchiveError as exc:
+            raise WeightsError(f"labels {path}: {exc}") from None
         try:
             indexed = {int(key): value for key, value in data.items()}
         except ValueError:
@@ -175,7 +180,7 @@ def load_labels(path: Path) -> list[str]:
         raise WeightsError(f"labels {path} must map indices to names or list names")
     names = []
     for index, value in enumerate(data):
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        if isinstance(value, list) and value:  # a plain JSON list of names (not TorchServe's): the same rule
             value = value[-1]
         if not isinstance(value, str):
             raise WeightsError(f"labels {path}: class {index} is {value!r}, not a name")

@@ -9,11 +9,11 @@ from pathlib import Path
 from builder import config as cfg
 from builder import mar
 from common import precision as precisions
+from common.contract import BODY, HANDLER_OUTPUTS
 from builder.plan import instance_kind, preprocessing_overrides
 from builder.repository import HANDLER_FILES, model_names
 from builder.staging import BuildError, check_writable, remove_stale_staging, signals_deferred, staging_prefix, swap_in
 
-BODY, RESPONSE, CONTENT_TYPE = "BODY", "RESPONSE", "CONTENT_TYPE"  # backends/handler.py's tensors
 ARCHIVE_DIR = "archive"  # the unpacked archive in the version folder (backends/handler.py's ARCHIVE_DIR)
 
 
@@ -96,7 +96,8 @@ def _spec(name: str, args, settings: dict, handler: str) -> cfg.ModelSpec:
                    default.max_queue_delay_us)
     instances = _first(args.instances, _number(settings, "minWorkers", int), default.instances)
     body = cfg.Tensor(BODY, "TYPE_STRING", (1,))
-    outputs = (cfg.Tensor(RESPONSE, "TYPE_STRING", (1,)), cfg.Tensor(CONTENT_TYPE, "TYPE_STRING", (1,)))
+    outputs = tuple(cfg.Tensor(name, "TYPE_STRING" if dtype == "BYTES" else f"TYPE_{dtype}", (1,))
+                    for name, dtype in HANDLER_OUTPUTS)
     return cfg.ModelSpec(name, (body,), outputs, cfg.Format.PYTHON, cfg.Batching(batch, delay if batch else 0),
                          kind, max(instances, 1), {"torchserve_handler": handler, "archive_dir": ARCHIVE_DIR,
                                                    **_engine(args, kind)})

@@ -1,16 +1,16 @@
 """Read a TorchServe model archive (.mar): its manifest, weights, model file, labels and batching."""
 from __future__ import annotations
 
-import json
 import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from builder.weights import WeightsError
+from common import archive as archives
+from common.archive import MANIFEST
 from common.messages import first_line
 
-MANIFEST = "MAR-INF/MANIFEST.json"
 # TorchServe's built-in handler whose preprocessing we reproduce exactly (builder.weights.IMAGENET).
 IMAGE_CLASSIFIER = ("image_classifier", "ts.torch_handler.image_classifier")
 # What a migration extracts, in all (the weights dominate: ResNet-152 is 0.24 GB, ViT-H/14 2.5 GB); more
@@ -61,19 +61,11 @@ def manifest(path: Path) -> dict:
         raise ArchiveError(f"{path} does not exist")
     try:
         with zipfile.ZipFile(path) as archive:
-            try:
-                data = json.loads(archive.read(MANIFEST))
-            except KeyError:
-                raise ArchiveError(f"{path} has no {MANIFEST}: not a model archive made by "
-                                   "torch-model-archiver") from None
+            return archives.read_manifest(archive)
     except zipfile.BadZipFile:
         raise ArchiveError(f"{path} is not a model archive (.mar files are zip files; this is not one)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ArchiveError(f"{path}: {MANIFEST} is not valid JSON: {exc}") from None
-    model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, dict) or not model.get("modelName"):
-        raise ArchiveError(f"{path}: {MANIFEST} has no model.modelName")
-    return data
+    except archives.ArchiveError as exc:
+        raise ArchiveError(f"{path}: {exc}") from None
 
 
 def read(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES) -> Archive:
@@ -104,7 +96,7 @@ def read(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES
             extra = [extract(name) for name in wanted[1 + (model_file is not None):]]
         except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # e.g. a member longer than it declares
             raise ArchiveError(f"{path} is corrupt ({exc}); nothing was written") from None
-    labels = next((p for p in extra if p.name == "index_to_name.json"), None)
+    labels = next((p for p in extra if p.name == archives.LABELS), None)
     config_name = model.get("configFile") or "model-config.yaml"
     config_file = next((p for p in extra if p.name == config_name), None)
     return Archive(path, model["modelName"], str(model.get("handler") or ""), weights, model_file,

@@ -32,9 +32,10 @@ PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "common
 # NAME_image as one python model (--image-model fused): its model.py runs the two above, unchanged, in one stub.
 FUSED_FILES = {**CLASSIFIER_FILES, **PREPROCESS_FILES, "model.py": "backends/fused.py",
                "classifier.py": "backends/classifier.py", "preprocess.py": "backends/preprocess.py"}
-# A TorchServe archive's handler as a model (builder/handler_model.py): ts_worker imports only TorchServe's ts.
+# A TorchServe archive's handler as a model (builder/handler_model.py): ts_worker imports only TorchServe's ts;
+# model.py the tensor names from contract.py.
 HANDLER_FILES = {"model.py": "backends/handler.py", "ts_worker.py": "backends/ts_worker.py",
-                 "ts_engine.py": "backends/ts_engine.py"}
+                 "ts_engine.py": "backends/ts_engine.py", "contract.py": "common/contract.py"}
 ENGINES = ("torch", "torchscript", "onnxruntime", "openvino")
 CODE_DIR = "model_code"  # the user's model file in the version folder (engine torch)
 ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx", "openvino": "onnx"}  # engine -> its export

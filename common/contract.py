@@ -12,6 +12,18 @@ IMAGE_BYTES = "IMAGE_BYTES"  # BYTES [N, 1]: encoded images (JPEG, PNG, ...), th
 IMAGE_FP16 = "IMAGE_FP16"    # FP16 [N, 3, H, W]: IMAGE in half the bytes, cast to float on the device
 IMAGE_UINT8 = "IMAGE_UINT8"  # UINT8 [N, 3, H, W]: pixels 0..255 after resize + center crop, not normalized:
                              # the classifier normalizes them on its device with the config's mean/std
+# The handler model (build-repo --from-mar of an archive served with its own handler, backends/handler.py): one
+# request body in, its answer out, as TorchServe's worker hands them over.
+BODY = "BODY"                  # BYTES [N, 1]: one request's body (one TorchServe request item)
+RESPONSE = "RESPONSE"          # BYTES [N, 1]: its answer as the handler serialized it; with STATUS != 200 the reason
+CONTENT_TYPE = "CONTENT_TYPE"  # BYTES [N, 1]: the answer's content type ("" where the handler set none)
+STATUS = "STATUS"              # INT32 [N, 1]: the HTTP status TorchServe answers this request with (200: answered)
+HANDLER_OUTPUTS = ((RESPONSE, "BYTES"), (CONTENT_TYPE, "BYTES"), (STATUS, "INT32"))
+# A request parameter: with it, a request the handler fails or refuses is answered with its STATUS (RESPONSE: the
+# reason) instead of as a Triton error, which carries no output (the TorchServe front sends it; a plain Triton
+# client, without it, gets the error, its message ending "(STATUS)").
+STATUS_PARAMETER = "handler_status_output"
+
 # The classifier NAME's one image input, by build-repo's --input-dtype: (name, Triton data type). Chosen when
 # the repository is built, so the metadata is the whole contract (perf_analyzer, Model Analyzer and KServe-v2
 # clients fill the one input they read); NAME_preprocess hands NAME the same tensor in the ensemble.

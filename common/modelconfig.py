@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
+
+from common.contract import PARAMETERS
 
 
 def to_text(config: mc.ModelConfig) -> str:
@@ -53,3 +55,34 @@ def with_instances(config: dict, count: int) -> dict:
 def instance_count(config: dict) -> int:
     """Instances per device in `config` (Triton's JSON form): the counts of its groups added up."""
     return sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])
+
+
+def set_instances(config: mc.ModelConfig, count: int) -> None:
+    """`config` (the protobuf) serving `count` instances of its first group's kind (KIND_CPU where it has none),
+    as `count` groups of one (instance_groups), the first group's other fields kept."""
+    first = (json_format.MessageToDict(config.instance_group[0], preserving_proto_field_name=True)
+             if config.instance_group else {"kind": "KIND_CPU"})
+    del config.instance_group[:]
+    for group in instance_groups(first.get("kind", "KIND_CPU"), count, first):
+        json_format.ParseDict(group, config.instance_group.add())
+
+
+def served(config: mc.ModelConfig, instances: int | None = None, at_most: int | None = None,
+           queue_delay_us: int | None = None, parameters: dict[str, str] | None = None) -> mc.ModelConfig:
+    """A copy of `config` served otherwise than built (serve-repo's TorchServe front): `instances` (else as built, but
+    no more than `at_most`) as groups of one (set_instances); the dynamic batcher's queue delay where it has one;
+    `parameters`, each a key contract.PARAMETERS documents (ValueError naming any other)."""
+    config = mc.ModelConfig.FromString(config.SerializeToString())
+    unknown = sorted(set(parameters or {}) - set(PARAMETERS))
+    if unknown:
+        raise ValueError(f"parameter(s) {', '.join(unknown)} are not in common/contract.py's PARAMETERS")
+    for key, value in (parameters or {}).items():
+        config.parameters[key].string_value = value
+    if queue_delay_us is not None and config.HasField("dynamic_batching"):
+        config.dynamic_batching.max_queue_delay_microseconds = queue_delay_us
+    built = sum(group.count or 1 for group in config.instance_group)
+    if instances is None and at_most is not None and built > at_most:
+        instances = at_most
+    if instances is not None:
+        set_instances(config, instances)
+    return config

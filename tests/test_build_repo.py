@@ -134,3 +134,24 @@ def test_every_parameter_a_build_writes_is_documented_in_the_contract_when_built
     written = {key for repo in (built, tmp_path / "fused") for path in repo.glob("*/config.pbtxt")
                for key in read_config(path).parameters}
     assert written and not written - set(PARAMETERS), sorted(written - set(PARAMETERS))
+
+
+def test_build_repo_json_prints_one_object_naming_each_model_and_its_role_when_asked(tmp_path):
+    from common.build_result import BuildResult
+
+    command = [sys.executable, "-m", "builder.cli", "--model", SMALL, "--weights", "random", "--kind", "cpu",
+               "--output", str(tmp_path / "r"), "--formats", "python,onnx", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.splitlines()) == 1 and "wrote" in done.stderr  # stdout: the JSON alone
+    result = BuildResult.from_json(done.stdout)
+    assert result.repository == str((tmp_path / "r").resolve()) and not result.handler
+    assert sorted((m.name, m.role) for m in result.models) == [
+        (SMALL, "classifier"), (f"{SMALL}_image", "image"), (f"{SMALL}_onnx", "export"),
+        (f"{SMALL}_preprocess", "preprocess")]
+    assert result.load_order()[-1] == f"{SMALL}_image"
+    again = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)  # exists, no --force
+    assert again.returncode == 1 and "already exists" in BuildResult.from_json(again.stdout).error
+    bad = subprocess.run([*command, "--instances", "0"], capture_output=True, text=True, cwd=ROOT)
+    assert (bad.returncode, BuildResult.from_json(bad.stdout).status) == (2, 2)
+    assert "must be >= 1" in BuildResult.from_json(bad.stdout).error and "must be >= 1" in bad.stderr

@@ -164,12 +164,12 @@ def test_build_repo_writes_the_handler_model_when_the_archive_has_a_custom_handl
     assert (config.backend, config.max_batch_size, config.dynamic_batching.max_queue_delay_microseconds) == \
         ("python", 4, 7000)
     assert [(t.name, t.dims) for t in config.input] == [("BODY", [1])]
-    assert [(t.name, t.dims) for t in config.output] == [("RESPONSE", [1]), ("CONTENT_TYPE", [1])]
+    assert [(t.name, t.dims) for t in config.output] == [("RESPONSE", [1]), ("CONTENT_TYPE", [1]), ("STATUS", [1])]
     assert sum(group.count for group in config.instance_group) == 2
     version = repo / "reqs" / "1"
     assert (version / "archive" / "MAR-INF" / "MANIFEST.json").is_file()
     assert (version / "archive" / "reqs_handler.py").read_text() == FEWER_HANDLER
-    assert {p.name for p in version.glob("*.py")} == {"model.py", "ts_worker.py", "ts_engine.py"}
+    assert {p.name for p in version.glob("*.py")} == {"model.py", "ts_worker.py", "ts_engine.py", "contract.py"}
     _build(archive, repo, "--force", "--max-batch-size", "16", "--max-batch-delay-ms", "2")
     config = read_config(repo / "reqs")
     assert (config.max_batch_size, config.dynamic_batching.max_queue_delay_microseconds) == (16, 2000)

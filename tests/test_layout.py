@@ -72,3 +72,19 @@ def test_no_script_kills_processes_by_pattern_when_the_tree_is_searched():
     # The two commands' names, assembled so that this file does not name them itself.
     pattern = re.compile(r"\b(" + "|".join(("p" + "kill", "kill" + "all")) + r")\b")
     assert scripts and not [str(p.relative_to(ROOT)) for p in scripts if pattern.search(p.read_text(errors="replace"))]
+
+
+# What Python 3.11 added that a module here could reach for: pyproject says >= 3.10 (no 3.10 is installed here, so
+# the grammar is checked by ast's feature_version and these names by search).
+PY311 = re.compile(r"asyncio\.Runner|asyncio\.TaskGroup|asyncio\.timeout\(|\btomllib\b|\bExceptionGroup\b|"
+                   r"typing\.Self|import Self\b|\bStrEnum\b|datetime\.UTC\b|\.add_note\(|hashlib\.file_digest")
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_modules_parse_and_import_as_python_3_10_does_when_read(room):
+    assert 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
+    for path in _modules(room):
+        text = path.read_text()
+        ast.parse(text, filename=str(path), feature_version=(3, 10))
+        found = PY311.search(text)
+        assert found is None, f"{path.relative_to(ROOT)}: {found.group()} needs Python 3.11"

@@ -15,13 +15,15 @@ import tempfile
 import time
 import urllib.request
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from common.archive import ArchiveError, read_labels, read_manifest
+from common.build_result import BuildResult
 from common.messages import first_line
 
-MANIFEST = "MAR-INF/MANIFEST.json"
+BUILD_RESULT = "build.json"  # build-repo --json's result, kept in its build in the cache
 MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to this much
 DOWNLOAD_DEADLINE_S = 600  # and within this (a byte per minute would hold a thread for ever)
 MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml larger than this is not read for its minWorkers
@@ -150,18 +152,22 @@ def inspect(path: Path, url: str) -> ArchiveInfo:
             while chunk := source.read(1 << 20):
                 digest.update(chunk)
         with zipfile.ZipFile(path) as archive:
-            model = json.loads(archive.read(MANIFEST)).get("model") or {}
+            manifest = read_manifest(archive, named=False)
+            model = (manifest.get("model") if isinstance(manifest, dict) else None) or {}
             names = set(archive.namelist())
-            labels = json.loads(archive.read("index_to_name.json")) if "index_to_name.json" in names else None
+            try:
+                labels = read_labels(archive)
+            except ArchiveError:  # TorchServe's handler would fail to load; build-repo says why
+                labels = None
             config = str(model.get("configFile") or "model-config.yaml") if isinstance(model, dict) else ""
             small = config in names and archive.getinfo(config).file_size <= MAX_CONFIG_BYTES
             settings = _yaml(archive.read(config)) if small else {}
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError, UnicodeDecodeError, OSError, AttributeError):
+    except (zipfile.BadZipFile, ArchiveError, KeyError, UnicodeDecodeError, OSError, AttributeError):
         raise ArchiveProblem(f"Model name is not defined: {url} is not a model archive (.mar)") from None
     if not isinstance(model, dict) or not model.get("modelName"):
         raise ArchiveProblem("Model name is not defined.")
     return ArchiveInfo(path, url, str(model["modelName"]), str(model.get("modelVersion") or "1.0"),
-                       str(model.get("handler") or ""), _labels(labels), digest.hexdigest(),
+                       str(model.get("handler") or ""), labels, digest.hexdigest(),
                        _archive_workers(settings))
 
 
@@ -184,40 +190,40 @@ def _archive_workers(settings: dict) -> int | None:
     return low if numbers and 0 < low <= high else None
 
 
-def _labels(mapping) -> dict[str, str] | None:
-    """index_to_name.json as ts.utils.util.load_label_mapping reads it: a list value stands for its last item."""
-    if not isinstance(mapping, dict):
-        return None
-    if isinstance(mapping.get("object_type_names"), list):
-        return {str(i): str(v) for i, v in enumerate(mapping["object_type_names"])}
-    return {str(k): str(v[-1] if isinstance(v, list) and v else v) for k, v in mapping.items()}
-
-
-def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> Path:
-    """A model repository holding `triton_name` (+ _preprocess, _image) built by build-repo from the archive,
-    cached by the archive's checksum and the build's options: a restart or a second registration reuses it."""
+def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> tuple[Path, BuildResult]:
+    """A model repository holding `triton_name` (+ _preprocess, _image) built by build-repo from the archive, and
+    build-repo's result (--json: which model is what), cached by the archive's checksum and the build's options: a
+    restart or a second registration reuses it."""
     key = hashlib.sha256(json.dumps([info.sha256, triton_name, options]).encode()).hexdigest()[:24]
     built = cache / key
-    if (built / triton_name / "config.pbtxt").is_file():
+    try:
+        result = BuildResult.from_json((built / BUILD_RESULT).read_text())
         os.utime(built)  # used now: the last a prune removes
-        return built
+        return built, result
+    except (OSError, ValueError):  # not built yet (or by a serve-repo that kept no result): built now
+        pass
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
     command = [sys.executable, "-m", "builder.cli", "--from-mar", str(info.path), "--name", triton_name,
-               "--output", str(staging / "repo"), *options]
+               "--output", str(staging / "repo"), *options, "--json"]
     log(f"building {triton_name} from {info.path.name}: build-repo {' '.join(command[3:])}")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    try:
+        result = BuildResult.from_json(done.stdout)
+    except ValueError:  # build-repo died before it could say (killed, a crash): its status, and stderr in the log
+        log(f"build-repo for {triton_name} failed: {done.stderr.strip()[-2000:]}")
+        result = BuildResult(error=f"build-repo failed (exit status {done.returncode})", status=done.returncode or 1)
+    if done.returncode != 0 or result.error is not None:
         shutil.rmtree(staging, ignore_errors=True)
-        reason = (result.stderr.strip().splitlines() or ["build-repo failed"])[-1]
-        raise ArchiveProblem(f"Failed to load model {info.name}: {reason.removeprefix('build-repo: error: ')}", 500,
-                             "InternalServerException")
+        raise ArchiveProblem(f"Failed to load model {info.name}: {result.error}", 500, "InternalServerException")
     shutil.rmtree(built, ignore_errors=True)
     os.replace(staging / "repo", built)
     shutil.rmtree(staging, ignore_errors=True)
-    return built
+    result = replace(result, repository=str(built))
+    (built / BUILD_RESULT).write_text(result.to_json())  # last: its presence marks a whole build
+    return built, result
 
 
 KEEP_UNUSED_BUILDS = 8  # builds no registration serves that the cache keeps (the most recently used)

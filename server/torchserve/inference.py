@@ -3,7 +3,6 @@ image_classifier handler answers (its top 5 as one JSON object), the image sent 
 from __future__ import annotations
 
 import asyncio
-import re
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -14,6 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
+from common.contract import BODY, CONTENT_TYPE, IMAGE_BYTES, LOGITS, RESPONSE, STATUS, STATUS_PARAMETER
 from common.messages import first_line
 
 # Triton not answering at all (its socket closed while serve-repo restarts it: aiohttp's connection errors are
@@ -146,43 +146,40 @@ class Inference:
     async def _handled(self, model, payload: bytes, headers) -> Response:
         """The archive's own handler (a custom handler's archive): the body to its BODY, its answer as it made it,
         the request's headers as TorchServe hands them to a handler; its failure as TorchServe's worker reports it."""
-        tensor = aioclient.InferInput("BODY", [1, 1], "BYTES")
+        tensor = aioclient.InferInput(BODY, [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
         forwarded = {key: value for key, value in headers.items() if key not in NOT_FORWARDED}
-        try:
-            result = await self.client.infer(model.entry, [tensor], parameters=forwarded,
-                                             outputs=[aioclient.InferRequestedOutput("RESPONSE"),
-                                                      aioclient.InferRequestedOutput("CONTENT_TYPE")],
+        try:  # with STATUS_PARAMETER the handler's failures come back as STATUS, never as a Triton error
+            result = await self.client.infer(model.entry, [tensor], parameters={**forwarded, STATUS_PARAMETER: "1"},
+                                             outputs=[aioclient.InferRequestedOutput(name)
+                                                      for name in (RESPONSE, CONTENT_TYPE, STATUS)],
                                              timeout=model.response_timeout * 1_000_000)
-        except UNREACHABLE as exc:  # Triton down (restarting): TorchServe's 503, never a traceback
+        except (InferenceServerException, *UNREACHABLE) as exc:  # Triton down (restarting), the stub dead: 503
             self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
             return error(503, PREDICTION_FAILED, "InternalServerException")
-        except InferenceServerException as exc:
-            reason = first_line(exc)
-            self.log(f"prediction failed for {model.name}: {reason[:300]}")
-            code = re.search(r"\((\d{3})\)", reason)
-            status = int(code.group(1)) if code else 503
-            # a 4xx: the stub refused this request alone (ts_worker.Refused), its type as TorchServe names the status
-            message = re.sub(r"^\[\d+\] ", "", reason.split(" (")[0])  # tritonclient's "[400] " prefix
-            return error(status, "Prediction failed" if status == 503 else message,
+        body = bytes(result.as_numpy(RESPONSE).reshape(-1)[0])
+        status = int(result.as_numpy(STATUS).reshape(-1)[0])
+        if status != 200:  # a 4xx: the stub refused this request alone (ts_worker.Refused), its type as TorchServe's
+            message = body.decode("utf-8", "replace")
+            self.log(f"prediction failed for {model.name}: {message[:300]} ({status})")
+            return error(status, PREDICTION_FAILED if status == 503 else message,
                          None if status < 500 else "InternalServerException")
-        body = result.as_numpy("RESPONSE").reshape(-1)[0]
-        content_type = result.as_numpy("CONTENT_TYPE").reshape(-1)[0].decode("utf-8", "replace")
-        return Response(bytes(body), 200, media_type=content_type or None)
+        content_type = result.as_numpy(CONTENT_TYPE).reshape(-1)[0].decode("utf-8", "replace")
+        return Response(body, 200, media_type=content_type or None)
 
     async def _infer(self, model, payload: bytes) -> Response:
-        tensor = aioclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+        tensor = aioclient.InferInput(IMAGE_BYTES, [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
         try:
             result = await self.client.infer(model.entry, [tensor],
-                                             outputs=[aioclient.InferRequestedOutput("LOGITS")],
+                                             outputs=[aioclient.InferRequestedOutput(LOGITS)],
                                              timeout=model.response_timeout * 1_000_000)
         except (InferenceServerException, *UNREACHABLE) as exc:
             # TorchServe's answer names no reason; its log does, as serve-repo's does
             self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
             return error(503, PREDICTION_FAILED, "InternalServerException")
         try:
-            answer = top5(result.as_numpy("LOGITS"), model.info.labels)
+            answer = top5(result.as_numpy(LOGITS), model.info.labels)
         except (KeyError, ValueError) as exc:  # e.g. a class index_to_name.json lacks: TorchServe's handler fails too
             self.log(f"prediction failed for {model.name}: {first_line(exc)}")
             return error(503, PREDICTION_FAILED, "InternalServerException")

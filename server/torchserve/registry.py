@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from common.modelconfig import read_config, to_text
+from common.build_result import BuildResult
+from common.modelconfig import read_config, served, to_text
 from server import canary
 from server.errors import ServerError
 from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, ArchiveProblem, build, downloaded, inspect,
@@ -77,12 +78,13 @@ class Model:
     pending: int = 0  # predictions this model was found for and not yet answered (counted by the event loop)
     queued: int = 0  # of those, the ones whose body is read: TorchServe's job queue (a slow body is not in it)
     built: Path | None = None  # its build in the cache (archives.build)
+    result: BuildResult = field(default_factory=BuildResult)  # build-repo --json's: each model's role
 
     @property
     def handler(self) -> bool:
         """Served by the archive's own handler (build-repo --from-mar of a custom handler's archive: one model,
-        BODY in, RESPONSE and CONTENT_TYPE out), not by the image path (NAME_image)."""
-        return self.members == [self.triton]
+        BODY in, contract.HANDLER_OUTPUTS out), not by the image path (NAME_image), as build-repo said."""
+        return self.result.handler
 
     @property
     def image_model(self) -> str:
@@ -155,11 +157,11 @@ class Registry:
             # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall (docs/performance.md);
             # job_queue_size is bounded in the front instead (Model.pending).
             options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay)]
-            built = build(info, triton, self.cache, options, self.log)
+            built, result = build(info, triton, self.cache, options, self.log)
             for removed in prune(self.cache, {built} | {m.built for m in self.all()}):
                 self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
             model = Model(name, info.version, info, triton, batch, delay, count, response_timeout, loaded_at_startup,
-                          built=built)
+                          built=built, result=result)
             self._serve(model, built)
             self.models.setdefault(name, {})[info.version] = model
             self.defaults.setdefault(name, info.version)
@@ -175,8 +177,7 @@ class Registry:
 
     def _serve(self, model: Model, built: Path) -> None:
         """Link the built models into the served repository and load them (the ensemble last)."""
-        members = sorted((p.name for p in built.iterdir() if (p / "config.pbtxt").is_file()),
-                         key=lambda n: (n == model.image_model, n))
+        members = model.result.load_order()
         for member in members:
             target = self.server.repository / member
             shutil.rmtree(target, ignore_errors=True)
@@ -216,23 +217,12 @@ class Registry:
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
                       at_most: int | None = None, max_pixels: int | None = None) -> None:
         """`source` as served here: config.properties' `max_pixels` where given, `instances` (else as built, up to `at_most`) of the
-        first group's kind, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
+        first group's kind as that many groups of one, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
         TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
         for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
-        config = read_config(source)
-        if not wait and config.HasField("dynamic_batching"):
-            config.dynamic_batching.max_queue_delay_microseconds = 0
-        if max_pixels is not None:
-            config.parameters["max_pixels"].string_value = str(max_pixels)
-        built = sum(group.count or 1 for group in config.instance_group)
-        if instances is None and at_most is not None and built > at_most:
-            instances = at_most
-        if instances is not None:
-            group = config.instance_group[0] if config.instance_group else None
-            kind = group.kind if group is not None else 0
-            del config.instance_group[:]
-            config.instance_group.add(count=instances, kind=kind)
-        target.write_text(to_text(config))
+        # N groups of one, as build-repo writes them: a dead stub is replaced alone
+        target.write_text(to_text(served(read_config(source), instances, at_most, None if wait else 0,
+                                         None if max_pixels is None else {"max_pixels": str(max_pixels)})))
 
     def scale(self, model: Model, workers: int) -> None:
         """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps

@@ -174,13 +174,18 @@ class Front:
         self._thread.start()
 
     def _run(self) -> None:
-        try:
+        try:  # a loop of its own, run as Python 3.10 can (its Runner class came in 3.11)
             import uvloop
-            runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+            loop = uvloop.new_event_loop()
         except ImportError:
-            runner = asyncio.Runner()
-        with runner:
-            runner.run(self._serve())
+            loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
 
     async def _serve(self) -> None:
         tasks = [asyncio.create_task(server.serve()) for server in self.servers]
