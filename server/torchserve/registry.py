@@ -23,8 +23,8 @@ from server.triton import TritonServer
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 # TorchServe's handlers decode with PIL's own bound (an error past 2 x 89,478,485 pixels): the models built for its
-# API keep build-repo's `max_pixels` instead (50 M unless config.properties says), the same bound as the plain front's, in
-# the image path's decoding model and the handler path's stub alike (issue 42 B9).
+# API keep build-repo's `max_pixels` instead (50 M unless config.properties says), the same bound as the plain
+# front's, in the image path's decoding model and the handler path's stub alike (issue 42 B9).
 # What build-repo may add to BASE (the onnx/torchscript exports with --formats): a registration's Triton names are
 # BASE plus each of these, and no two registrations may share one.
 SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript")
@@ -216,9 +216,9 @@ class Registry:
     @staticmethod
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
                       at_most: int | None = None, max_pixels: int | None = None) -> None:
-        """`source` as served here: config.properties' `max_pixels` where given, `instances` (else as built, up to `at_most`) of the
-        first group's kind as that many groups of one, and no batch delay where not `wait`: a request waits max_batch_delay once, as under
-        TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
+        """`source` as served here: config.properties' `max_pixels` where given, `instances` (else as built, up to
+        `at_most`) of the first group's kind as that many groups of one, and no batch delay where not `wait`: a
+        request waits max_batch_delay once, as under TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
         for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
         # N groups of one, as build-repo writes them: a dead stub is replaced alone
         target.write_text(to_text(served(read_config(source), instances, at_most, None if wait else 0,
