@@ -17,7 +17,7 @@ from test_proxy_limits import _accepted_connections
 DEFAULTS = ProxySettings("127.0.0.1", 0, 0)
 # docs/security.md: this many client addresses, each at its cap, still leave room for another client.
 HOSTILE_ADDRESSES = 15
-STREAMS = 32  # proxy/haproxy.cfg's tune.h2.max-concurrent-streams
+STREAMS = 100  # proxy/haproxy.cfg's tune.h2.max-concurrent-streams
 READY = b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
@@ -87,7 +87,7 @@ def test_proxy_answers_every_call_when_one_grpc_channel_sends_more_than_its_stre
             ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady",
                                         request_serializer=pb.ServerReadyRequest.SerializeToString,
                                         response_deserializer=pb.ServerReadyResponse.FromString)
-            calls = [ready.future(pb.ServerReadyRequest(), timeout=60) for _ in range(3 * STREAMS)]
+            calls = [ready.future(pb.ServerReadyRequest(), timeout=60) for _ in range(STREAMS + 28)]
             assert all(call.result().ready for call in calls)  # the calls over the limit wait for a free stream
     finally:
         proxy.stop()
