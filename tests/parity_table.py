@@ -146,7 +146,7 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("PUT", "m:/models/r18/2.0/set-default", None, "bytes"),
     ("PUT", "m:/models/r18/9.9/set-default", None, "bytes"),
     ("PUT", "m:/models/nope/1.0/set-default", None, "bytes"),
-    ("GET", "m:/models/r18/2.0/set-default", None, "bytes"),
+    ("GET", "m:/models/r18/2.0/set-default", None, "json"),
     ("POST", "m:/models/r18/2.0/set-default", None, "bytes"),
     ("DELETE", "m:/models/r18/2.0/set-default", None, "bytes"),
     ("DELETE", "m:/models/r18/2.0", None, "bytes"),

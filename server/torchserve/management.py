@@ -64,7 +64,7 @@ def _int(params: Params, key: str, default: int | None = None, log=None) -> int 
     if INT.fullmatch(value) and -2**31 <= int(value) < 2**31:
         return int(value)
     if log is not None:
-        log(f"serve-repo: {key}={value!r} is not an integer; TorchServe's default ({default}) taken")
+        log(f"serve-repo: {key}={value!r} is not an integer: ignored, as TorchServe ignores it")
     return default
 
 
@@ -149,7 +149,7 @@ class Management:
             raise NotFound("empty url")
         for key in ("handler", "startup_timeout", "s3_sse_kms"):  # TorchServe's, of no use on Triton
             if _param(params, key) is not None:
-                log(f"serve-repo: {key}={_param(params, key)!r} ignored (the archive's handler serves it)")
+                log(f"serve-repo: {key}={_param(params, key)!r} ignored (TorchServe's, not used on Triton)")
         workers = _int(params, "initial_workers", None, log)
         if workers is not None and workers <= 0:  # TorchServe: none until scaled; Triton serves with one at least
             log(f"serve-repo: initial_workers={workers}: one worker started (Triton serves with one at least)")
@@ -203,7 +203,7 @@ class Management:
 
     def _describe(self, model: Model, stubs) -> dict:
         mine = sorted((s for s in stubs if s.model == model.triton and s.alive), key=lambda s: s.pid)
-        ready = self.server.model_ready(model.triton)
+        ready = bool(model.members) and self.server.model_ready(model.triton)  # no members: building
         workers = [{"id": str(9000 + i), "startTime": model.start_time, "status": "READY" if ready else "UNLOADING",
                     "memoryUsage": 0, "pid": stub.pid, "gpu": False, "gpuUsage": "N/A"}
                    for i, stub in enumerate(mine[:model.workers])]

@@ -223,7 +223,6 @@ class Registry:
             self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
                                model.workers if member == model.triton else None,
                                wait=member == model.triton, at_most=model.workers, max_pixels=self.max_pixels)
-        model.members = members
         try:
             for member in members:
                 self.server.load(member)
@@ -245,6 +244,7 @@ class Registry:
         if report is not None:
             self.log(f"{model.name} {model.version}: {report.line()}")
         self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
+        model.members = members  # served: predictions go to it from now on (503 before: workers to come)
 
     @staticmethod
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
