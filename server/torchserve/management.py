@@ -32,9 +32,10 @@ RUNTIMES = ("python", "python3", "LSP")  # TorchServe 0.12's Manifest.RuntimeTyp
 Params = dict[str, list[str]]
 
 
-async def _params(request: Request) -> Params:
-    """The query's parameters, or a JSON body's (TorchServe reads a registration's from an application/json body)."""
-    if request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+async def _params(request: Request, body: bool = False) -> Params:
+    """The query's parameters, or with `body` a JSON body's (TorchServe reads a registration's from an
+    application/json body, and only a registration's)."""
+    if body and request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
         try:
             body = json.loads(await request.body() or b"{}")
         except ValueError:
@@ -64,7 +65,7 @@ def _int(params: Params, key: str, default: int | None = None, log=None) -> int 
     if INT.fullmatch(value) and -2**31 <= int(value) < 2**31:
         return int(value)
     if log is not None:
-        log(f"serve-repo: {key}={value!r} is not an integer: ignored, as TorchServe ignores it")
+        log(f"serve-repo: {key}={value[:80]!r} is not an integer: ignored, as TorchServe ignores it")
     return default
 
 
@@ -74,7 +75,7 @@ def _bool(params: Params, key: str, default: bool, log=None) -> bool:
     if value is None:
         return default
     if value.lower() not in ("true", "false") and log is not None:
-        log(f"serve-repo: {key}={value!r} is not a boolean; taken as false, as TorchServe does")
+        log(f"serve-repo: {key}={value[:80]!r} is not a boolean; taken as false, as TorchServe does")
     return value.lower() == "true"
 
 
@@ -138,7 +139,7 @@ class Management:
     async def register(self, request: Request) -> Response:
         if not self.enable_model_api:
             return self._model_api_off()
-        params, log = await _params(request), self.registry.log
+        params, log = await _params(request, body=True), self.registry.log
         url = _param(params, "url")
         if url is None:
             raise BadParameter("Parameter url is required.")
@@ -149,7 +150,7 @@ class Management:
             raise NotFound("empty url")
         for key in ("handler", "startup_timeout", "s3_sse_kms"):  # TorchServe's, of no use on Triton
             if _param(params, key) is not None:
-                log(f"serve-repo: {key}={_param(params, key)!r} ignored (TorchServe's, not used on Triton)")
+                log(f"serve-repo: {key}={_param(params, key)[:80]!r} ignored (TorchServe's, not used on Triton)")
         workers = _int(params, "initial_workers", None, log)
         if workers is not None and workers <= 0:  # TorchServe: none until scaled; Triton serves with one at least
             log(f"serve-repo: initial_workers={workers}: one worker started (Triton serves with one at least)")

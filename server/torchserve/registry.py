@@ -272,6 +272,11 @@ class Registry:
         """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps
         answering with the old instances until the new ones are ready; nothing in flight is lost)."""
         with self._lock:
+            if self.models.get(model.name, {}).get(model.version) is not model:
+                return  # unregistered while the scale waited (e.g. for its build)
+            if not model.members:  # claimed, not built yet: its build serves this many
+                model.workers = workers
+                return
             config = self.server.repository / model.triton / "config.pbtxt"
             self._write_config(config, config, workers)
             self.server.load(model.triton)
