@@ -1,5 +1,5 @@
 """The calls tests/test_torchserve_parity.py replays, in order, on TorchServe 0.12 and on serve-repo's TorchServe
-front (the same store: r18 1.0 loaded at start, r18 2.0 in r18-v2.mar, other and third 1.0, junk.mar no archive).
+front (the same store: r18 1.0 loaded at start, r18 2.0 in r18-v2.mar, other 1.0, junk.mar no archive).
 
 A row: (method, path with its query, body, compare). body: None, "photo", "empty", "text", or JSON text (sent as
 application/json). compare: "bytes" (status and body byte for byte), "json" (status, then the JSON's keys and value
@@ -9,6 +9,7 @@ docs/migrating.md: "differs: REASON" (REASON is a phrase of that page)."""
 from __future__ import annotations
 
 NOT_AN_ARCHIVE = "differs: says which file is not an archive"
+REFUSED = "differs: 400 naming the value"
 ROWS: list[tuple[str, str, str | None, str]] = [
     # -- the inference API --
     ("GET", "i:/ping", None, "bytes"),
@@ -88,6 +89,15 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("POST", "m:/models?url=r18.mar&handler=foo&startup_timeout=5", None, "bytes"),
     ("POST", "m:/models?url=r18.mar&s3_sse_kms=true", None, "bytes"),
     ("POST", "m:/models?url=r18.mar&unknown=1", None, "bytes"),
+    ("POST", "m:/models?url=r18.mar&response_timeout=-1", None, "bytes"),
+    ("POST", "m:/models?url=r18.mar&initial_workers=99999999999", None, "bytes"),
+    ("POST", "m:/models?url=r18.mar&initial_workers=0", None, "bytes"),
+    ("POST", "m:/models?url=r18.mar&model_name=", None, "bytes"),
+    ("POST", "m:/models?url=r18.mar&batch_size=0", None, REFUSED),
+    ("POST", "m:/models?url=r18.mar&max_batch_delay=-1", None, REFUSED),
+    ("POST", "m:/models?url=r18.mar&response_timeout=0", None, REFUSED),
+    ("OPTIONS", "m:/", None, "status"),
+    ("OPTIONS", "i:/", None, "status"),
     ("POST", "m:/models?url=bad%20name.mar", None, "bytes"),
     ("POST", "m:/models?url=file:///etc/passwd", None, NOT_AN_ARCHIVE),
     ("PUT", "m:/models", None, "bytes"),
@@ -169,17 +179,18 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("GET", "m:/models/other", None, "bytes"),
     ("POST", "i:/predictions/other", "photo", "bytes"),
     ("GET", "m:/models", None, "bytes"),
-    # -- asynchronous registration, then at once: describe, list, scale, unregister --
-    ("POST", "m:/models?url=third.mar&initial_workers=1&synchronous=false", None, "bytes"),
-    ("GET", "m:/models/third", None, "status"),
-    ("GET", "m:/models?limit=1&next_page_token=2", None, "bytes"),
-    ("PUT", "m:/models/third?min_worker=1&max_worker=1", None, "bytes"),
-    ("DELETE", "m:/models/third", None, "bytes"),
-    ("GET", "m:/models/third", None, "bytes"),
+    # -- asynchronous registration of a version, then at once: describe, list, scale, unregister --
+    ("POST", "m:/models?url=r18-v2.mar&initial_workers=1&synchronous=false", None, "bytes"),
+    ("GET", "m:/models/r18/2.0", None, "status"),
+    ("GET", "m:/models/r18/all", None, "status"),
+    ("GET", "m:/models?limit=1&next_page_token=0", None, "bytes"),
+    ("PUT", "m:/models/r18/2.0?min_worker=1&max_worker=1", None, "bytes"),
+    ("DELETE", "m:/models/r18/2.0", None, "bytes"),
+    ("GET", "m:/models/r18/2.0", None, "bytes"),
     ("GET", "m:/models", None, "bytes"),
     # -- register again what was unregistered, with a JSON body --
-    ("POST", "m:/models", '{"url": "other.mar", "initial_workers": 1, "synchronous": true, "batch_size": 2}',
-     "bytes"),
+    ("POST", "m:/models", '{"url": "other.mar", "initial_workers": 1, "synchronous": true, "batch_size": 2, '
+                         '"max_batch_delay": 5}', "bytes"),
     ("GET", "m:/models/other", None, "json"),
     ("POST", "m:/models", '{"url": "other.mar"}', "bytes"),
     ("POST", "m:/models", '{"batch_size": 2}', "bytes"),

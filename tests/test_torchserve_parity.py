@@ -89,10 +89,9 @@ def different(compare: str, ours: tuple[int, bytes], theirs: tuple[int, bytes]) 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    """r18 1.0 and 2.0 (r18-v2.mar), other 1.0 and third 1.0: small resnet18 archives; junk.mar is none."""
+    """r18 1.0 and 2.0 (r18-v2.mar) and other 1.0: small resnet18 archives; junk.mar is none."""
     folder = tmp_path_factory.mktemp("parity") / "model_store"
-    for name, version, file in (("r18", "1.0", "r18"), ("r18", "2.0", "r18-v2"), ("other", "1.0", "other"),
-                                ("third", "1.0", "third")):
+    for name, version, file in (("r18", "1.0", "r18"), ("r18", "2.0", "r18-v2"), ("other", "1.0", "other")):
         made = torchserve.resnet_archive(folder / file, name, None, None, None, arch="resnet18", fc_scale=0.01,
                                          version=version)
         made.rename(folder / f"{file}.mar")

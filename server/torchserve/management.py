@@ -153,7 +153,7 @@ class Management:
                 log(f"serve-repo: {key}={_param(params, key)[:80]!r} ignored (TorchServe's, not used on Triton)")
         workers = _int(params, "initial_workers", None, log)
         if workers is not None and workers <= 0:  # TorchServe: none until scaled; Triton serves with one at least
-            log(f"serve-repo: initial_workers={workers}: one worker started (Triton serves with one at least)")
+            log(f"serve-repo: initial_workers={workers}: one worker instead (Triton serves with one at least)")
             workers = None
         timeout = _int(params, "response_timeout", -1, log)
         args = dict(url=url, name=_param(params, "model_name") or None,
