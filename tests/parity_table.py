@@ -10,6 +10,7 @@ from __future__ import annotations
 
 NOT_AN_ARCHIVE = "differs: says which file is not an archive"
 REFUSED = "differs: 400 naming the value"
+NO_DESCRIPTION = "differs: no OpenAPI description"
 ROWS: list[tuple[str, str, str | None, str]] = [
     # -- the inference API --
     ("GET", "i:/ping", None, "bytes"),
@@ -96,8 +97,8 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("POST", "m:/models?url=r18.mar&batch_size=0", None, REFUSED),
     ("POST", "m:/models?url=r18.mar&max_batch_delay=-1", None, REFUSED),
     ("POST", "m:/models?url=r18.mar&response_timeout=0", None, REFUSED),
-    ("OPTIONS", "m:/", None, "status"),
-    ("OPTIONS", "i:/", None, "status"),
+    ("OPTIONS", "m:/", None, NO_DESCRIPTION),
+    ("OPTIONS", "i:/", None, NO_DESCRIPTION),
     ("POST", "m:/models?url=bad%20name.mar", None, "bytes"),
     ("POST", "m:/models?url=file:///etc/passwd", None, NOT_AN_ARCHIVE),
     ("PUT", "m:/models", None, "bytes"),
