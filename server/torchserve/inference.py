@@ -94,6 +94,8 @@ class Inference:
         Unhealthy (a dead stub counts until serve-repo has replaced it)."""
         alive = await asyncio.to_thread(self.instances)
         for model in self.registry.all():
+            if not model.members:  # registered with synchronous=false, still building: its workers are to come
+                continue
             try:
                 ready = await self.client.is_model_ready(model.entry)
             except (InferenceServerException, OSError):
@@ -135,7 +137,7 @@ class Inference:
         # past that, 503 at once. Counted here, once a request's body is read (as TorchServe queues a request it
         # has received whole: slow bodies do not fill it), not by a Triton queue policy, which would bring back its
         # batcher's 500 ms stall.
-        if model.queued > self.job_queue_size + model.batch_size * model.workers:
+        if not model.members or model.queued > self.job_queue_size + model.batch_size * model.workers:
             return error(503, f'Model "{model.name}" has no worker to serve inference request. Please use scale '
                               "workers API to add workers. If this is a sequence inference, please check if it is "
                               "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")
@@ -192,9 +194,11 @@ class Inference:
         await self.shutdown()
 
     def app(self) -> Starlette:
-        predictions = ["POST", "PUT"]
+        # TorchServe answers /ping and predictions whatever the method (a GET is a prediction with no body: 503)
+        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
         return Starlette(routes=[
-            Route("/ping", self.ping, methods=["GET"]),
-            Route("/predictions/{model_name}", self.predict, methods=predictions),
-            Route("/predictions/{model_name}/{version}", self.predict, methods=predictions),
+            Route("/ping", self.ping, methods=methods),
+            Route("/predictions/{model_name}", self.predict, methods=methods),
+            Route("/predictions/{model_name}/", self.predict, methods=methods),  # the default version
+            Route("/predictions/{model_name}/{version}", self.predict, methods=methods),
         ], lifespan=self.lifespan, exception_handlers=HANDLERS)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
@@ -23,16 +25,63 @@ class BadParameter(ValueError):
     pass
 
 
-def _int(request: Request, key: str, default: int | None = None, least: int = 0) -> int | None:
-    value = request.query_params.get(key)
-    if value in (None, ""):
+INT = re.compile(r"[+-]?[0-9]+")
+RUNTIMES = ("python", "python3", "LSP")  # TorchServe 0.12's Manifest.RuntimeType
+
+
+Params = dict[str, list[str]]
+
+
+async def _params(request: Request, body: bool = False) -> Params:
+    """The query's parameters, or with `body` a JSON body's (TorchServe reads a registration's from an
+    application/json body, and only a registration's)."""
+    if body and request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json":
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise BadParameter("Invalid JSON body") from None
+        if not isinstance(body, dict):
+            raise BadParameter("Invalid JSON body")
+        return {key: [json.dumps(value) if isinstance(value, bool) else str(value)] for key, value in body.items()
+                if value is not None}
+    params: Params = {}
+    for key, value in request.query_params.multi_items():
+        params.setdefault(key, []).append(value)
+    return params
+
+
+def _param(params: Params, key: str) -> str | None:
+    """The first of a repeated parameter, as TorchServe's NettyUtils.getParameter takes it."""
+    values = params.get(key)
+    return values[0] if values else None
+
+
+def _int(params: Params, key: str, default: int | None = None, log=None) -> int | None:
+    """TorchServe's getIntParameter: a Java int, else (absent, empty, not an integer, past 32 bits) the default;
+    a value so ignored is named in the log."""
+    value = _param(params, key)
+    if value is None:
         return default
-    try:
-        number = int(value)
-    except ValueError:
-        raise BadParameter(f"Invalid {key}: {value} is not an integer") from None
-    if number < least:
-        raise BadParameter(f"Invalid {key}: {value} must be >= {least}")
+    if INT.fullmatch(value) and -2**31 <= int(value) < 2**31:
+        return int(value)
+    if log is not None:
+        log(f"serve-repo: {key}={value[:80]!r} is not an integer: ignored, as TorchServe ignores it")
+    return default
+
+
+def _bool(params: Params, key: str, default: bool, log=None) -> bool:
+    """Java's Boolean.parseBoolean: "true" in any case is true, anything else false (named in the log)."""
+    value = _param(params, key)
+    if value is None:
+        return default
+    if value.lower() not in ("true", "false") and log is not None:
+        log(f"serve-repo: {key}={value[:80]!r} is not a boolean; taken as false, as TorchServe does")
+    return value.lower() == "true"
+
+
+def _least(key: str, number: int | None, least: int) -> int | None:
+    if number is not None and number < least:
+        raise BadParameter(f"Invalid {key}: {number} must be >= {least}")
     return number
 
 
@@ -41,11 +90,6 @@ def _bounded(key: str, number: int | None, most: int) -> int | None:
     if number is not None and number > most:
         raise BadParameter(f"Invalid {key}: {number} is over max_workers_per_model={most}")
     return number
-
-
-def _bool(request: Request, key: str, default: bool) -> bool:
-    value = request.query_params.get(key)
-    return default if value is None else value.strip().lower() == "true"
 
 
 class Management:
@@ -95,17 +139,34 @@ class Management:
     async def register(self, request: Request) -> Response:
         if not self.enable_model_api:
             return self._model_api_off()
-        url = request.query_params.get("url")
-        if not url:
+        params, log = await _params(request, body=True), self.registry.log
+        url = _param(params, "url")
+        if url is None:
             raise BadParameter("Parameter url is required.")
-        workers = _bounded("initial_workers", _int(request, "initial_workers", None, 0), self.registry.max_workers)
-        args = dict(url=url, name=request.query_params.get("model_name") or None,
-                    batch_size=_int(request, "batch_size", None, 1),
-                    max_batch_delay=_int(request, "max_batch_delay", None, 0),
-                    workers=workers or None,
-                    response_timeout=_int(request, "response_timeout", self.registry.response_timeout, 1))
-        if not _bool(request, "synchronous", True):
-            self._background(self.registry.register, **args)
+        runtime = _param(params, "runtime")
+        if runtime is not None and runtime not in RUNTIMES:
+            raise BadParameter(f"Invalid RuntimeType value: {runtime}")
+        if url == "":
+            raise NotFound("empty url")
+        for key in ("handler", "startup_timeout", "s3_sse_kms"):  # TorchServe's, of no use on Triton
+            if _param(params, key) is not None:
+                log(f"serve-repo: {key}={_param(params, key)[:80]!r} ignored (TorchServe's, not used on Triton)")
+        workers = _int(params, "initial_workers", None, log)
+        if workers is not None and workers <= 0:  # TorchServe: none until scaled; Triton serves with one at least
+            log(f"serve-repo: initial_workers={workers}: one worker instead (Triton serves with one at least)")
+            workers = None
+        timeout = _int(params, "response_timeout", -1, log)
+        args = dict(url=url, name=_param(params, "model_name") or None,
+                    batch_size=_least("batch_size", _int(params, "batch_size", None, log), 1),
+                    max_batch_delay=_least("max_batch_delay", _int(params, "max_batch_delay", None, log), 0),
+                    workers=_bounded("initial_workers", workers, self.registry.max_workers),
+                    response_timeout=self.registry.response_timeout if timeout == -1 else
+                    _least("response_timeout", timeout, 1))
+        if not _bool(params, "synchronous", True, log):
+            if "://" in url and not url.startswith("file:"):  # a download may be slow: in the background too
+                self._background(self.registry.register, **args)
+            else:  # as TorchServe: the archive read and the model known now, its workers to come
+                self._background(self.registry.complete, await self._change(self.registry.claim, **args))
             return reply({"status": "Processing worker updates..."}, 202)
         model = await self._change(self.registry.register, **args)
         return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
@@ -113,9 +174,11 @@ class Management:
 
     async def list(self, request: Request) -> Response:
         """TorchServe's paging: models by name; nextPageToken (the next index, a string) first, whenever the page
-        does not run past the end."""
-        limit = _int(request, "limit", 100, 0)
-        start = _int(request, "next_page_token", 0, 0)
+        does not run past the end; a limit past 0..100 is 100, a negative token 0."""
+        params = await _params(request)
+        limit = _int(params, "limit", 100, self.registry.log)
+        limit = 100 if limit < 0 or limit > 100 else limit
+        start = max(0, _int(params, "next_page_token", 0, self.registry.log))
         names = sorted(self.registry.models)
         page = [{"modelName": name, "modelUrl": self.registry.find(name).info.url}
                 for name in names[start:start + limit]]
@@ -141,7 +204,7 @@ class Management:
 
     def _describe(self, model: Model, stubs) -> dict:
         mine = sorted((s for s in stubs if s.model == model.triton and s.alive), key=lambda s: s.pid)
-        ready = self.server.model_ready(model.triton)
+        ready = bool(model.members) and self.server.model_ready(model.triton)  # no members: building
         workers = [{"id": str(9000 + i), "startTime": model.start_time, "status": "READY" if ready else "UNLOADING",
                     "memoryUsage": 0, "pid": stub.pid, "gpu": False, "gpuUsage": "N/A"}
                    for i, stub in enumerate(mine[:model.workers])]
@@ -159,16 +222,19 @@ class Management:
                                    "pendingRequests": queued}}
 
     async def scale(self, request: Request) -> Response:
-        model = self._selected(request)[0]
+        params, log = await _params(request), self.registry.log
+        model = self.registry.find(request.path_params["model_name"], request.path_params.get("version"))
         # As TorchServe 0.12, with the model API off too (it refuses registering and unregistering only); what runs
         # is min_worker (Triton keeps a fixed instance count), so min_worker is what max_workers_per_model bounds.
-        low = _int(request, "min_worker", model.workers, 0)
-        high = _int(request, "max_worker", max(low, model.workers), 0)
+        low = _int(params, "min_worker", 1, log)
+        high = _int(params, "max_worker", low, log)
         if low > high:
             raise BadParameter("max_worker cannot be less than min_worker.")
         _bounded("min_worker", low, self.registry.max_workers)
         workers = max(low, 1)
-        if not _bool(request, "synchronous", False):
+        if low < 1:
+            log(f"serve-repo: min_worker={low}: scaled to one worker (Triton serves with one at least)")
+        if not _bool(params, "synchronous", False, log):
             self._background(self.registry.scale, model, workers)
             return reply({"status": "Processing worker updates..."}, 202)
         await self._change(self.registry.scale, model, workers)
@@ -178,7 +244,7 @@ class Management:
     async def unregister(self, request: Request) -> Response:
         if not self.enable_model_api:
             return self._model_api_off()
-        model = self._selected(request)[0]
+        model = self.registry.find(request.path_params["model_name"], request.path_params.get("version"))
         versions = self.registry.models.get(model.name, {})
         if request.path_params.get("version") and len(versions) > 1 and \
                 self.registry.defaults.get(model.name) == model.version:
@@ -187,7 +253,11 @@ class Management:
         return reply({"status": f'Model "{model.name}" unregistered'})
 
     async def set_default(self, request: Request) -> Response:
-        model = self._selected(request)[0]
+        name, version = request.path_params["model_name"], request.path_params["version"]
+        self.registry.find(name)
+        if version not in self.registry.models.get(name, {}):  # TorchServe's words here: no colons
+            raise NotFound(f"Model version {version} does not exist for model {name}", "ModelVersionNotFoundException")
+        model = self.registry.find(name, version)
         self.registry.set_default(model)
         return reply({"status": f'Default version successfully updated for model "{model.name}" to '
                                 f'"{model.version}"'})
@@ -208,4 +278,7 @@ class Management:
             Route("/models/{model_name}/{version}", guarded(self.scale), methods=["PUT"]),
             Route("/models/{model_name}/{version}", guarded(self.unregister), methods=["DELETE"]),
             Route("/models/{model_name}/{version}/set-default", guarded(self.set_default), methods=["PUT"]),
+            # TorchServe reads no further than the version for the other methods
+            Route("/models/{model_name}/{version}/set-default", guarded(self.describe), methods=["GET"]),
+            Route("/models/{model_name}/{version}/set-default", guarded(self.unregister), methods=["DELETE"]),
         ], exception_handlers=HANDLERS)

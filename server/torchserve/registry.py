@@ -110,6 +110,7 @@ class Registry:
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
         self.defaults: dict[str, str] = {}  # name -> default version
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
+        self._claims = threading.Lock()  # models and defaults changed (never held through a build)
 
     # -- lookups (the inference API's, on every request: no lock, dict reads are atomic) --
     def find(self, name: str, version: str | None = None) -> Model:
@@ -128,44 +129,77 @@ class Registry:
     def register(self, url: str, name: str | None = None, batch_size: int | None = None,
                  max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
                  loaded_at_startup: bool = False) -> Model:
+        model = self.claim(url, name, batch_size, max_batch_delay, workers, response_timeout, loaded_at_startup)
+        self.complete(model)
+        return model
+
+    def claim(self, url: str, name: str | None = None, batch_size: int | None = None,
+              max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
+              loaded_at_startup: bool = False) -> Model:
+        """A registration's first half, as TorchServe's: the archive found (or fetched) and read, the model known at
+        once -- describe, list, scale and unregister find it -- and its workers to come with complete()."""
         path = locate(url, self.store, allowed_urls=self.allowed_urls)
         try:
-            return self._register(path, url, name, batch_size, max_batch_delay, workers, response_timeout,
-                                  loaded_at_startup)
+            info = inspect(path, url)
+            name = name or info.name
+            if not NAME.match(name):
+                raise ArchiveProblem(f"Invalid model name: {name}: letters, digits, '_', '.' and '-' only")
+            with self._claims:
+                if info.version in self.models.get(name, {}):
+                    raise Conflict(f"Model version {info.version} is already registered for model {name}")
+                batch = batch_size or 1  # TorchServe's defaults when the request names none
+                delay = 100 if max_batch_delay is None else max_batch_delay
+                # TorchServe's order: the archive's minWorkers over initial_workers over default_workers_per_model
+                count = self._bounded(info.min_workers or workers or self.default_workers or 1, name, info.version)
+                taken = set().union(*(triton_names(m.triton) for m in self.all()))
+                triton = triton_base(name, info.version, name not in self.models, taken)
+                if triton is None:
+                    raise Conflict(f"Model version {info.version} of model {name}: its Triton model names are taken")
+                model = Model(name, info.version, info, triton, batch, delay, count, response_timeout,
+                              loaded_at_startup)
+                self.models.setdefault(name, {})[info.version] = model
+                self.defaults.setdefault(name, info.version)
+                return model
         except BaseException:
-            if path == downloaded(url, self.store):  # as TorchServe: a download whose registration failed is removed
-                path.unlink(missing_ok=True)
+            self._drop_download(url, path)
             raise
 
-    def _register(self, path: Path, url: str, name: str | None, batch_size: int | None, max_batch_delay: int | None,
-                  workers: int | None, response_timeout: int, loaded_at_startup: bool) -> Model:
-        info = inspect(path, url)
-        name = name or info.name
-        if not NAME.match(name):
-            raise ArchiveProblem(f"Invalid model name: {name}: letters, digits, '_', '.' and '-' only")
-        with self._lock:
-            if info.version in self.models.get(name, {}):
-                raise Conflict(f"Model version {info.version} is already registered for model {name}")
-            batch = batch_size or 1  # TorchServe's defaults when the request names none
-            delay = 100 if max_batch_delay is None else max_batch_delay
-            # TorchServe's order: the archive's minWorkers over initial_workers over default_workers_per_model
-            count = self._bounded(info.min_workers or workers or self.default_workers or 1, name, info.version)
-            taken = set().union(*(triton_names(m.triton) for m in self.all()))
-            triton = triton_base(name, info.version, name not in self.models, taken)
-            if triton is None:
-                raise Conflict(f"Model version {info.version} of model {name}: its Triton model names are taken")
-            # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall (docs/performance.md);
-            # job_queue_size is bounded in the front instead (Model.pending).
-            options = [*self.build_options, "--max-batch-size", str(batch), "--max-batch-delay-ms", str(delay)]
-            built, result = build(info, triton, self.cache, options, self.log)
-            for removed in prune(self.cache, {built} | {m.built for m in self.all()}):
-                self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
-            model = Model(name, info.version, info, triton, batch, delay, count, response_timeout, loaded_at_startup,
-                          built=built, result=result)
-            self._serve(model, built)
-            self.models.setdefault(name, {})[info.version] = model
-            self.defaults.setdefault(name, info.version)
-            return model
+    def complete(self, model: Model) -> None:
+        """A claimed model built and served (unless unregistered meanwhile); on failure it is forgotten, as TorchServe
+        unregisters a model whose workers failed to start."""
+        try:
+            with self._lock:
+                if self.models.get(model.name, {}).get(model.version) is not model:
+                    return
+                # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall
+                # (docs/performance.md); job_queue_size is bounded in the front instead (Model.pending).
+                options = [*self.build_options, "--max-batch-size", str(model.batch_size), "--max-batch-delay-ms",
+                           str(model.max_batch_delay)]
+                built, result = build(model.info, model.triton, self.cache, options, self.log)
+                for removed in prune(self.cache, {built} | {m.built for m in self.all() if m.built}):
+                    self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
+                model.built, model.result = built, result
+                self._serve(model, built)
+        except BaseException:
+            with self._claims:
+                self._forget(model)
+            self._drop_download(model.info.url, model.info.path)
+            raise
+
+    def _drop_download(self, url: str, path: Path) -> None:
+        if path == downloaded(url, self.store):  # as TorchServe: a download whose registration failed is removed
+            path.unlink(missing_ok=True)
+
+    def _forget(self, model: Model) -> None:
+        versions = self.models.get(model.name, {})
+        if versions.get(model.version) is not model:
+            return
+        versions.pop(model.version)
+        if not versions:
+            self.models.pop(model.name, None)
+            self.defaults.pop(model.name, None)
+        elif self.defaults.get(model.name) == model.version:
+            self.defaults[model.name] = sorted(versions)[0]
 
     def _bounded(self, workers: int, name: str, version: str) -> int:
         """`workers` up to max_workers_per_model: the API refuses more (400); an archive's minWorkers, models= and
@@ -190,7 +224,6 @@ class Registry:
             self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
                                model.workers if member == model.triton else None,
                                wait=member == model.triton, at_most=model.workers, max_pixels=self.max_pixels)
-        model.members = members
         try:
             for member in members:
                 self.server.load(member)
@@ -212,6 +245,7 @@ class Registry:
         if report is not None:
             self.log(f"{model.name} {model.version}: {report.line()}")
         self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
+        model.members = members  # served: predictions go to it from now on (503 before: workers to come)
 
     @staticmethod
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
@@ -228,6 +262,11 @@ class Registry:
         """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps
         answering with the old instances until the new ones are ready; nothing in flight is lost)."""
         with self._lock:
+            if self.models.get(model.name, {}).get(model.version) is not model:
+                return  # unregistered while the scale waited (e.g. for its build)
+            if not model.members:  # claimed, not built yet: its build serves this many
+                model.workers = workers
+                return
             config = self.server.repository / model.triton / "config.pbtxt"
             self._write_config(config, config, workers)
             self.server.load(model.triton)
@@ -239,13 +278,8 @@ class Registry:
     def unregister(self, model: Model) -> None:
         """Forget `model` at once (new requests: 404); Triton unloads it after what it holds is answered."""
         with self._lock:
-            versions = self.models.get(model.name, {})
-            versions.pop(model.version, None)
-            if not versions:
-                self.models.pop(model.name, None)
-                self.defaults.pop(model.name, None)
-            elif self.defaults.get(model.name) == model.version:
-                self.defaults[model.name] = sorted(versions)[0]
+            with self._claims:
+                self._forget(model)
             self.server.loaded = [m for m in self.server.loaded if m not in model.members]
             # What the front already sent on is answered first; then the models one by one, the ensemble first and
             # each gone before the next, so that no request in flight in one finds the next one unloaded.

@@ -1,0 +1,155 @@
+"""TorchServe 0.12 and serve-repo's TorchServe front, call by call: the table of tests/parity_table.py replayed in
+order on both, on copies of the same model store; status codes and bodies compared (byte for byte where TorchServe's
+are deterministic, keys and value types otherwise); every intended difference is listed in docs/migrating.md."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from parity_table import ROWS
+from perf import torchserve
+from perf.serve import TorchServeFront
+from support import ROOT
+
+PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
+BODIES = {"photo": PHOTO.read_bytes(), "empty": b"", "text": b"hello"}
+
+
+def send(method: str, url: str, body: str | None) -> tuple[int, bytes]:
+    headers, data = {}, None
+    if body in BODIES:
+        headers, data = {"Content-Type": "application/octet-stream"}, BODIES[body]
+    elif body is not None:
+        headers, data = {"Content-Type": "application/json"}, body.encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def wait_ready(url: str, timeout: float = 300) -> None:
+    """The model's workers all READY (a registration or scale answered 202 goes on in the background)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body = send("GET", url, None)
+        if status == 200:
+            described = json.loads(body)[0]
+            workers = described["workers"]
+            if len(workers) == described["minWorkers"] and all(w["status"] == "READY" for w in workers):
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"{url}: workers not READY after {timeout} s")
+
+
+def replay(inference: str, management: str) -> list[tuple[int, bytes]]:
+    answers = []
+    for method, path, body, compare in ROWS:
+        url = (inference if path.startswith("i:") else management) + path[2:]
+        if compare == "wait":
+            wait_ready(url)
+            answers.append((0, b""))
+        else:
+            answers.append(send(method, url, body))
+    return answers
+
+
+def shape(value):
+    """Keys and value types, not values (timestamps, pids, probabilities, memory)."""
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(item) for item in value[:1]]  # a list's length (e.g. workers starting) is timing
+    return type(value).__name__
+
+
+def different(compare: str, ours: tuple[int, bytes], theirs: tuple[int, bytes]) -> str | None:
+    """Why `ours` is not `theirs` under `compare`; None: the same."""
+    if compare == "wait":
+        return None
+    if ours[0] != theirs[0]:
+        return f"status {ours[0]} != {theirs[0]}"
+    if compare == "bytes" and ours[1] != theirs[1]:
+        return "body"
+    if compare == "json":
+        mine, reference = json.loads(ours[1] or b"null"), json.loads(theirs[1] or b"null")
+        if shape(mine) != shape(reference):
+            return "keys or types"
+        if isinstance(reference, dict) and set(reference) <= {"code", "type", "message"} and mine != reference:
+            return "error"
+    return None
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """r18 1.0 and 2.0 (r18-v2.mar) and other 1.0: small resnet18 archives; junk.mar is none."""
+    folder = tmp_path_factory.mktemp("parity") / "model_store"
+    for name, version, file in (("r18", "1.0", "r18"), ("r18", "2.0", "r18-v2"), ("other", "1.0", "other")):
+        made = torchserve.resnet_archive(folder / file, name, None, None, None, arch="resnet18", fc_scale=0.01,
+                                         version=version)
+        made.rename(folder / f"{file}.mar")
+        shutil.rmtree(made.parent)
+    (folder / "junk.mar").write_text("hello\n")
+    return folder
+
+
+def copy_of(store: Path, to: Path) -> Path:
+    shutil.copytree(store, to)
+    return to
+
+
+def theirs(store: Path, folder: Path) -> list[tuple[int, bytes]]:
+    copied = copy_of(store, folder / "model_store")
+    with torchserve.started(folder, copied / "r18.mar", workers=1, properties={"enable_model_api": "true"}) as real:
+        return replay(real.inference_url, real.management_url)
+
+
+def ours(store: Path, folder: Path) -> list[tuple[int, bytes]]:
+    copied = copy_of(store, folder / "model_store")
+    front = TorchServeFront(folder / "front", "--trust-model-code", model_store=str(copied),
+                            load_models="r18=r18.mar", enable_model_api="true", disable_token_authorization="true",
+                            default_workers_per_model="1", max_workers_per_model="2")
+    try:
+        return replay(front.inference_url, front.management_url)
+    finally:
+        front.stop()
+
+
+@pytest.fixture(scope="module")
+def answers(store, tmp_path_factory) -> tuple[list, list]:
+    """(ours, TorchServe's): the two replays side by side (each waits on its workers and builds much of the time)."""
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(theirs, store, tmp_path_factory.mktemp("torchserve"))
+        mine = ours(store, tmp_path_factory.mktemp("front"))
+        return mine, reference.result()
+
+
+def test_the_table_holds_150_calls_on_every_endpoint():
+    assert len(ROWS) >= 150
+    endpoints = {(method, path.split("?")[0].split("/")[1]) for method, path, _, _ in ROWS}
+    for needed in (("GET", "ping"), ("POST", "predictions"), ("PUT", "predictions"), ("GET", "models"),
+                   ("POST", "models"), ("PUT", "models"), ("DELETE", "models")):
+        assert needed in endpoints
+
+
+def test_each_call_answers_as_torchserve_or_its_difference_is_listed(answers):
+    ours, theirs = answers
+    listed = (ROOT / "docs" / "migrating.md").read_text()
+    found = []
+    for row, mine, reference in zip(ROWS, ours, theirs):
+        method, path, _, compare = row
+        if compare.startswith("differs: "):
+            assert compare.removeprefix("differs: ") in listed, row
+            continue
+        if (why := different(compare, mine, reference)) is not None:
+            found.append(f"{method} {path}: {why}\n  ours:   {mine[0]} {mine[1][:300]!r}\n"
+                         f"  theirs: {reference[0]} {reference[1][:300]!r}")
+    assert not found, f"{len(found)} differences:\n" + "\n".join(found)
