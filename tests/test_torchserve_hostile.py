@@ -94,6 +94,7 @@ def test_the_build_cache_keeps_builds_in_use_and_only_the_most_recently_used_oth
     (tmp_path / ".staging-in-progress").mkdir()
     removed = prune(tmp_path, in_use={builds[0], builds[1]}, keep=8)
     assert sorted(removed) == builds[2:4]
+    assert prune(tmp_path / "no-cache-yet", in_use=set()) == []  # before the first build
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [".staging-in-progress", "build00", "build01"] + [f"build{i:02d}" for i in range(4, 12)])
 

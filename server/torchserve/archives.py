@@ -232,6 +232,8 @@ KEEP_UNUSED_BUILDS = 8  # builds no registration serves that the cache keeps (th
 def prune(cache: Path, in_use: set[Path], keep: int = KEEP_UNUSED_BUILDS) -> list[Path]:
     """Remove the cache's builds that no registration serves but the `keep` most recently used: registering one
     archive with batch sizes 1..1000 would otherwise leave 1000 builds (each with its weights) on disk."""
+    if not cache.is_dir():
+        return []
     unused = [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".") and p not in in_use]
     unused.sort(key=lambda p: p.stat().st_mtime, reverse=True)
     for old in unused[keep:]:
