@@ -34,9 +34,9 @@ class BuildResult:
         """Served by the archive's own handler, not by the image path."""
         return any(model.role == "handler" for model in self.models)
 
-    def entry(self) -> str:
-        """The model a request goes to: the handler model, else the image model."""
-        return next(m.name for m in self.models if m.role == ("handler" if self.handler else "image"))
+    def entry(self) -> str | None:
+        """The model a request goes to: the handler model, else the image model (None: neither was written)."""
+        return next((m.name for m in self.models if m.role == ("handler" if self.handler else "image")), None)
 
     def load_order(self) -> list[str]:
         """Every model written, the image model (an ensemble of the others) last."""

@@ -134,7 +134,10 @@ def test_torchserve_front_refuses_a_registration_with_500_when_its_model_answers
     info = ArchiveInfo(tmp_path / "wrong.mar", "wrong.mar", SMALL, "1.0", "image_classifier", None, "0")
     monkeypatch.setattr(registered, "locate", lambda url, store, **options: info.path)
     monkeypatch.setattr(registered, "inspect", lambda path, url: info)
-    monkeypatch.setattr(registered, "build", lambda *args, **options: built)
+    from common.build_result import BuildResult, BuiltModel
+
+    result = BuildResult(str(built), (BuiltModel(SMALL, "classifier"),))  # build-repo --json's, for that folder
+    monkeypatch.setattr(registered, "build", lambda *args, **options: (built, result))
     (tmp_path / "served").mkdir()
     server = start_server(tmp_path / "served")
     lines = []
