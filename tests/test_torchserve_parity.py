@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,23 +15,19 @@ from parity_table import ROWS
 from perf import torchserve
 from perf.serve import TorchServeFront
 from support import ROOT
+from test_torchserve_api import call
 
 PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
 BODIES = {"photo": PHOTO.read_bytes(), "empty": b"", "text": b"hello"}
 
 
 def send(method: str, url: str, body: str | None) -> tuple[int, bytes]:
-    headers, data = {}, None
+    """A row's call: a named binary body, or the row's text as JSON (test_torchserve_api's `call`)."""
     if body in BODIES:
-        headers, data = {"Content-Type": "application/octet-stream"}, BODIES[body]
-    elif body is not None:
-        headers, data = {"Content-Type": "application/json"}, body.encode()
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            return reply.status, reply.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
+        return call(method, url, BODIES[body])
+    if body is not None:
+        return call(method, url, body.encode(), {"Content-Type": "application/json"})
+    return call(method, url)
 
 
 def wait_ready(url: str, timeout: float = 300) -> None:

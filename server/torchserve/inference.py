@@ -15,14 +15,13 @@ from tritonclient.utils import InferenceServerException
 
 from common.contract import BODY, CONTENT_TYPE, IMAGE_BYTES, LOGITS, RESPONSE, STATUS, STATUS_PARAMETER
 from common.messages import first_line
-
-# Triton not answering at all (its socket closed while serve-repo restarts it: aiohttp's connection errors are
-# OSErrors), or not within the response timeout.
-UNREACHABLE = (OSError, asyncio.TimeoutError)
 from server.torchserve.registry import NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply, too_large
 from server.unix_http import aio_client
 
+# Triton not answering at all (its socket closed while serve-repo restarts it: aiohttp's connection errors are
+# OSErrors), or not within the response timeout.
+UNREACHABLE = (OSError, asyncio.TimeoutError)
 TOP_K = 5  # ImageClassifier.topk
 PREDICTION_FAILED = "Prediction failed"
 DISCARD_BYTES = 64 << 20
