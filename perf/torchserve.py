@@ -149,6 +149,16 @@ class TorchServe:
             time.sleep(1)
         raise TorchServeError(f"no READY worker for {self.model} after {timeout:.0f} s: {self.log_tail()}")
 
+    def wait_pinged(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                _get_json(f"{self.inference_url}/ping")
+                return
+            except (urllib.error.URLError, OSError, ValueError):
+                time.sleep(0.5)
+        raise TorchServeError(f"torchserve did not answer /ping after {timeout:.0f} s: {self.log_tail()}")
+
     def _pids(self) -> list[int]:
         """The frontend and its python workers, read now, to end by pid whatever --stop leaves."""
         try:
@@ -176,24 +186,28 @@ class TorchServe:
 
 
 @contextmanager
-def started(folder: Path, archive: Path, workers: int, timeout: float = 600, properties: dict | None = None):
+def started(folder: Path, archive: Path | None, workers: int | None, timeout: float = 600, properties: dict | None = None,
+            store: Path | None = None):
     """torchserve --start with `archive` registered, ready; stopped (and its pids ended) on exit. `properties`: more
-    config.properties lines (enable_model_api=true, ...)."""
+    config.properties lines (enable_model_api=true, ...). archive None: no model, `store` the model store, ready
+    once /ping answers."""
     commands = executables()
     ports = [free_port() for _ in range(5)]
-    server = TorchServe(folder, archive.stem, f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+    server = TorchServe(folder, archive.stem if archive else "", f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
     for sub in ("tmp", "logs"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     config = folder / "config.properties"
     config.write_text("\n".join([
         f"inference_address={server.inference_url}", f"management_address={server.management_url}",
-        f"metrics_address=http://127.0.0.1:{ports[2]}", f"default_workers_per_model={workers}",
+        f"metrics_address=http://127.0.0.1:{ports[2]}",
+        *([f"default_workers_per_model={workers}"] if workers is not None else []),
         # its gRPC ports too (7070/7071 by default): a second torchserve on the machine would stop this one
         f"grpc_inference_port={ports[3]}", f"grpc_management_port={ports[4]}",
         "install_py_dep_per_model=false", "disable_token_authorization=true",
         *(f"{key}={value}" for key, value in (properties or {}).items()), ""]))
     launch = [commands["torchserve"], "--start", "--ncs", "--disable-token-auth", "--ts-config", str(config),
-              "--model-store", str(archive.parent), "--models", f"{archive.stem}={archive.name}"]
+              "--model-store", str(archive.parent if archive else store),
+              *(["--models", f"{archive.stem}={archive.name}"] if archive else [])]
     with open(folder / "logs" / "launcher.log", "ab") as sink:
         # The launcher starts the java frontend and returns; the frontend's pid is in its pid file.
         subprocess.run(launch, env=server.env(), cwd=folder, stdout=sink, stderr=subprocess.STDOUT, timeout=120)
@@ -202,7 +216,7 @@ def started(folder: Path, archive: Path, workers: int, timeout: float = 600, pro
     try:
         if server.pid is None:
             raise TorchServeError(f"torchserve did not start: {(folder / 'logs' / 'launcher.log').read_text()[-300:]}")
-        server.wait_ready(timeout)
+        server.wait_ready(timeout) if archive else server.wait_pinged(timeout)
         yield server
     finally:
         server.stop(commands)

@@ -11,6 +11,7 @@ from __future__ import annotations
 NOT_AN_ARCHIVE = "differs: says which file is not an archive"
 REFUSED = "differs: 400 naming the value"
 NO_DESCRIPTION = "differs: no OpenAPI description"
+NEGATIVE_WORKERS = "differs: a worker count is 0 or more"
 ROWS: list[tuple[str, str, str | None, str]] = [
     # -- the inference API --
     ("GET", "i:/ping", None, "bytes"),
@@ -202,5 +203,30 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("GET", "m:/models?limit=1", None, "bytes"),
     ("GET", "m:/models/r18", None, "json"),
     ("POST", "i:/predictions/r18", "photo", "json"),
+    # -- 0 workers: registered, described, 503 until scaled, scaled up and down again --
+    ("POST", "m:/models?url=other.mar&model_name=idle&initial_workers=0", None, "bytes"),
+    ("GET", "m:/models/idle", None, "json"),
+    ("POST", "i:/predictions/idle", "photo", "bytes"),
+    ("GET", "i:/ping", None, "bytes"),
+    ("PUT", "m:/models/idle?min_worker=1&synchronous=true", None, "bytes"),
+    ("POST", "i:/predictions/idle", "photo", "json"),
+    ("PUT", "m:/models/idle?min_worker=0&synchronous=true", None, "bytes"),
+    ("GET", "m:/models/idle", None, "json"),
+    ("POST", "i:/predictions/idle", "photo", "bytes"),
+    ("PUT", "m:/models/idle?min_worker=-1", None, NEGATIVE_WORKERS),
+    ("DELETE", "m:/models/idle", None, "bytes"),
+    ("POST", "m:/models?url=other.mar&model_name=idle&initial_workers=-1&synchronous=false", None, "bytes"),
+    ("DELETE", "m:/models/idle", None, "bytes"),
+    # -- handler and startup_timeout, applied as TorchServe applies them --
+    ("POST", "m:/models?url=other.mar&model_name=nohandler&handler=nohandler&initial_workers=1", None, "bytes"),
+    ("GET", "m:/models/nohandler", None, "bytes"),
+    ("POST", "m:/models?url=other.mar&model_name=nohandler&handler=nohandler&initial_workers=0", None, "bytes"),
+    ("PUT", "m:/models/nohandler?min_worker=1&synchronous=true", None, "bytes"),
+    ("PUT", "m:/models/nohandler/1.0?min_worker=1&synchronous=true", None, "bytes"),
+    ("DELETE", "m:/models/nohandler", None, "bytes"),
+    ("POST", "m:/models?url=other.mar&model_name=slow&startup_timeout=0&initial_workers=1", None, "bytes"),
+    ("GET", "m:/models/slow", None, "bytes"),
+    ("POST", "m:/models?url=other.mar&model_name=slow&startup_timeout=0&initial_workers=0", None, "bytes"),
+    ("DELETE", "m:/models/slow", None, "bytes"),
     ("GET", "i:/ping", None, "bytes"),
 ]

@@ -10,7 +10,7 @@ import pytest
 
 from server.torchserve.archives import inspect
 from server.torchserve.properties import PropertiesError, settings
-from server.torchserve.registry import triton_base, triton_names
+from server.torchserve.naming import triton_base, triton_names
 
 # Registered in this order: each pair sanitizes alike, or one's name is another's name plus a suffix Triton's
 # names get (`_image`, `_preprocess`, `_vN`), or a hostile name taking the next one's hashed name in advance.

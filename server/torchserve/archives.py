@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from common.archive import ArchiveError, read_labels, read_manifest
+from common.archive import MANIFEST, ArchiveError, read_labels, read_manifest
 from common.build_result import BuildResult
 from common.messages import first_line
 
@@ -240,3 +240,22 @@ def prune(cache: Path, in_use: set[Path], keep: int = KEEP_UNUSED_BUILDS) -> lis
         shutil.rmtree(old, ignore_errors=True)
     return unused[keep:]
 
+
+
+def with_handler(info: ArchiveInfo, handler: str, folder: Path) -> ArchiveInfo:
+    """`info`'s archive with its manifest's handler replaced, as TorchServe 0.12 applies a registration's `handler`
+    (ModelManager.createModelArchive: model.setHandler): a copy in `folder`, every other member unchanged."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=".handler-", suffix=".mar", dir=folder)
+    os.close(fd)
+    with zipfile.ZipFile(info.path) as source, zipfile.ZipFile(name, "w", zipfile.ZIP_STORED) as copy:
+        for member in source.infolist():
+            if member.filename == MANIFEST:
+                manifest = json.loads(source.read(member))
+                manifest.setdefault("model", {})["handler"] = handler
+                copy.writestr(member, json.dumps(manifest, indent=4))
+            else:
+                with source.open(member) as reading, copy.open(member, "w") as writing:
+                    shutil.copyfileobj(reading, writing, 1 << 20)
+    digest = hashlib.sha256(Path(name).read_bytes()).hexdigest()
+    return replace(info, path=Path(name), handler=handler, sha256=digest)

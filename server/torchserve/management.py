@@ -148,27 +148,37 @@ class Management:
             raise BadParameter(f"Invalid RuntimeType value: {runtime}")
         if url == "":
             raise NotFound("empty url")
-        for key in ("handler", "startup_timeout", "s3_sse_kms"):  # TorchServe's, of no use on Triton
-            if _param(params, key) is not None:
-                log(f"serve-repo: {key}={_param(params, key)[:80]!r} ignored (TorchServe's, not used on Triton)")
-        workers = _int(params, "initial_workers", None, log)
-        if workers is not None and workers <= 0:  # TorchServe: none until scaled; Triton serves with one at least
-            log(f"serve-repo: initial_workers={workers}: one worker instead (Triton serves with one at least)")
-            workers = None
+        if _param(params, "s3_sse_kms") is not None:  # TorchServe's, of no use on Triton
+            log(f"serve-repo: s3_sse_kms={_param(params, 's3_sse_kms')[:80]!r} ignored (no S3 here)")
+        # TorchServe's: initial_workers, else default_workers_per_model as configured (0 when not); 0 or less: none
+        # until scaled (an archive's minWorkers still wins, in the registry)
+        workers = max(0, _int(params, "initial_workers", self.registry.default_workers or 0, log))
         timeout = _int(params, "response_timeout", -1, log)
+        startup = _int(params, "startup_timeout", -1, log)
         args = dict(url=url, name=_param(params, "model_name") or None,
                     batch_size=_least("batch_size", _int(params, "batch_size", None, log), 1),
                     max_batch_delay=_least("max_batch_delay", _int(params, "max_batch_delay", None, log), 0),
-                    workers=_bounded("initial_workers", workers, self.registry.max_workers),
+                    # with startup_timeout=0 nothing starts: TorchServe's 500, whatever the count
+                    workers=workers if startup == 0 else
+                    _bounded("initial_workers", workers, self.registry.max_workers),
                     response_timeout=self.registry.response_timeout if timeout == -1 else
-                    _least("response_timeout", timeout, 1))
+                    _least("response_timeout", timeout, 1),
+                    startup_timeout=self.registry.startup_timeout if startup == -1 else startup,
+                    handler=_param(params, "handler") or None)
         if not _bool(params, "synchronous", True, log):
             if "://" in url and not url.startswith("file:"):  # a download may be slow: in the background too
                 self._background(self.registry.register, **args)
-            else:  # as TorchServe: the archive read and the model known now, its workers to come
-                self._background(self.registry.complete, await self._change(self.registry.claim, **args))
-            return reply({"status": "Processing worker updates..."}, 202)
-        model = await self._change(self.registry.register, **args)
+                return reply({"status": "Processing worker updates..."}, 202)
+            # as TorchServe: the archive read and the model known now, its workers to come
+            model = await self._change(self.registry.claim, **args)
+            if model.workers:
+                self._background(self.registry.complete, model)
+                return reply({"status": "Processing worker updates..."}, 202)
+        else:
+            model = await self._change(self.registry.register, **args)
+        if not model.workers:
+            return reply({"status": f'Model "{model.name}" Version: {model.version} registered with 0 initial '
+                                    "workers. Use scale workers API to add workers for the model."})
         return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
                                 "initial workers"})
 
@@ -213,7 +223,8 @@ class Management:
         return {"modelName": model.name, "modelVersion": model.version, "modelUrl": model.info.url,
                 "runtime": "python", "minWorkers": model.workers, "maxWorkers": model.workers,
                 "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
-                "responseTimeout": model.response_timeout, "startupTimeout": 120, "maxRetryTimeoutInSec": 300,
+                "responseTimeout": model.response_timeout, "startupTimeout": model.startup_timeout,
+                "maxRetryTimeoutInSec": 300,
                 "clientTimeoutInMills": 0, "parallelType": "", "parallelLevel": 0, "deviceType": "cpu",
                 "continuousBatching": False, "useJobTicket": False, "useVenv": False, "stateful": False,
                 "sequenceMaxIdleMSec": 0, "sequenceTimeoutMSec": 0, "maxNumSequence": 0,
@@ -230,16 +241,16 @@ class Management:
         high = _int(params, "max_worker", low, log)
         if low > high:
             raise BadParameter("max_worker cannot be less than min_worker.")
+        if low < 0:  # TorchServe 0.12 fails it (500, an IndexOutOfBoundsException of its own)
+            return error(500, f"Invalid min_worker: {low}: a worker count is 0 or more", "InternalServerException")
         _bounded("min_worker", low, self.registry.max_workers)
-        workers = max(low, 1)
-        if low < 1:
-            log(f"serve-repo: min_worker={low}: scaled to one worker (Triton serves with one at least)")
+        version = request.path_params.get("version")
         if not _bool(params, "synchronous", False, log):
-            self._background(self.registry.scale, model, workers)
+            self._background(self.registry.scale, model, low, version)
             return reply({"status": "Processing worker updates..."}, 202)
-        await self._change(self.registry.scale, model, workers)
-        named = f", version: {model.version}" if request.path_params.get("version") else ""
-        return reply({"status": f"Workers scaled to {workers} for model: {model.name}{named}"})
+        await self._change(self.registry.scale, model, low, version)
+        named = f", version: {model.version}" if version else ""
+        return reply({"status": f"Workers scaled to {low} for model: {model.name}{named}"})
 
     async def unregister(self, request: Request) -> Response:
         if not self.enable_model_api:

@@ -19,7 +19,8 @@ DEFAULTS = {
 }
 HONOURED = {"inference_address", "management_address", "metrics_address", "model_store", "load_models", "models",
             "enable_model_api", "default_workers_per_model", "max_request_size", "max_response_size",
-            "job_queue_size", "disable_token_authorization", "default_response_timeout", "allowed_urls",
+            "job_queue_size", "disable_token_authorization", "default_response_timeout", "default_startup_timeout",
+            "allowed_urls",
             "max_workers_per_model", "max_pixels"}
 # serve-repo's own key (TorchServe has no bound): the most workers (classifier stubs) one model version may run, and
 # its decoder as many at most; an archive's minWorkers, models= and default_workers_per_model above it are clamped,
@@ -95,6 +96,7 @@ class Settings:
     job_queue_size: int = DEFAULTS["job_queue_size"]
     token_auth: bool = True
     response_timeout: int = 120
+    startup_timeout: int = 120  # default_startup_timeout: seconds a model's workers may take to start
     unsupported: list[str] = field(default_factory=list)  # keys of the file we do not act on
     allowed_urls: tuple[str, ...] | None = None  # regexes a registration's URL must match (None: TorchServe's default)
     # serve-repo's own key: the most pixels an image may claim, on the image and the handler path (None: build-repo's
@@ -155,6 +157,8 @@ def settings(path: Path | None) -> Settings:
             setattr(result, key, _int(entries[key], key, 1))
     if "default_response_timeout" in entries:
         result.response_timeout = _int(entries["default_response_timeout"], "default_response_timeout", 1)
+    if "default_startup_timeout" in entries:
+        result.startup_timeout = _int(entries["default_startup_timeout"], "default_startup_timeout", 0)
     if entries.get("allowed_urls", "").strip():  # TorchServe: comma-separated regexes, each matching a whole URL
         result.allowed_urls = tuple(item.strip() for item in entries["allowed_urls"].split(",") if item.strip())
         for pattern in result.allowed_urls:

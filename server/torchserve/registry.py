@@ -4,8 +4,6 @@ registered, scaled (a live reload, up to max_workers) and unregistered through T
 restart."""
 from __future__ import annotations
 
-import hashlib
-import re
 import shutil
 import threading
 import time
@@ -18,33 +16,9 @@ from common.modelconfig import read_config, served, to_text
 from server import canary
 from server.errors import ServerError
 from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, ArchiveProblem, build, downloaded, inspect,
-                                        locate, prune)
+                                        locate, prune, with_handler)
+from server.torchserve.naming import NAME, triton_base, triton_names
 from server.triton import TritonServer
-
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-# TorchServe's handlers decode with PIL's own bound (an error past 2 x 89,478,485 pixels): the models built for its
-# API keep build-repo's `max_pixels` instead (50 M unless config.properties says), the same bound as the plain
-# front's, in the image path's decoding model and the handler path's stub alike (issue 42 B9).
-# What build-repo may add to BASE (the onnx/torchscript exports with --formats): a registration's Triton names are
-# BASE plus each of these, and no two registrations may share one.
-SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript")
-
-
-def triton_names(base: str) -> set[str]:
-    return {base + suffix for suffix in SUFFIXES}
-
-
-def triton_base(name: str, version: str, first: bool, taken: set[str]) -> str | None:
-    """The Triton name of (name, version): `name` for a name's first version, else NAME_vVERSION with each character
-    outside [A-Za-z0-9] as '_'; where one of its names is `taken` (another version or model sanitized alike: "2.0"
-    and "2_0", or a model named m_image beside m) a hash of (name, version) is appended. None: even that is taken."""
-    readable = name if first else f"{name}_v{re.sub(r'[^A-Za-z0-9]', '_', version)}"[:160]
-    digest = hashlib.sha256(f"{name}\0{version}".encode()).hexdigest()
-    for base in (readable, f"{readable}_{digest[:8]}", f"{readable}_{digest[:32]}"):
-        if not triton_names(base) & taken:
-            return base
-    return None
-
 
 class Conflict(ValueError):
     """TorchServe's 409: the model version is registered already."""
@@ -72,6 +46,8 @@ class Model:
     workers: int
     response_timeout: int
     loaded_at_startup: bool
+    startup_timeout: int = 120  # seconds its workers may take to start (TorchServe's default_startup_timeout)
+    handler_override: str | None = None  # the registration's `handler`, in place of the manifest's (TorchServe's)
     start_time: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
                             + "Z")
     members: list[str] = field(default_factory=list)  # Triton model names, in load order
@@ -105,7 +81,11 @@ class Registry:
         self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
         self.max_workers = max_workers  # max_workers_per_model: what any registration or scale may start
         self.response_timeout = response_timeout  # seconds, where a registration names none
+        self.startup_timeout = 120  # config.properties' default_startup_timeout, where a registration names none
         self.allowed_urls: tuple[str, ...] | None = None  # config.properties' allowed_urls (None: TorchServe's default)
+        # TorchServe's handlers decode with PIL's own bound (an error past 2 x 89,478,485 pixels): the models built for its
+        # API keep build-repo's `max_pixels` instead (50 M unless config.properties says), the same bound as the plain
+        # front's, in the image path's decoding model and the handler path's stub alike (issue 42 B9).
         self.max_pixels: int | None = None  # config.properties' max_pixels (None: build-repo's, 50 M)
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
         self.defaults: dict[str, str] = {}  # name -> default version
@@ -128,16 +108,18 @@ class Registry:
     # -- changes --
     def register(self, url: str, name: str | None = None, batch_size: int | None = None,
                  max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
-                 loaded_at_startup: bool = False) -> Model:
-        model = self.claim(url, name, batch_size, max_batch_delay, workers, response_timeout, loaded_at_startup)
+                 loaded_at_startup: bool = False, **more) -> Model:
+        model = self.claim(url, name, batch_size, max_batch_delay, workers, response_timeout, loaded_at_startup,
+                           **more)
         self.complete(model)
         return model
 
     def claim(self, url: str, name: str | None = None, batch_size: int | None = None,
               max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
-              loaded_at_startup: bool = False) -> Model:
+              loaded_at_startup: bool = False, startup_timeout: int | None = None, handler: str | None = None) -> Model:
         """A registration's first half, as TorchServe's: the archive found (or fetched) and read, the model known at
-        once -- describe, list, scale and unregister find it -- and its workers to come with complete()."""
+        once -- describe, list, scale and unregister find it -- and its workers to come with complete(). `workers`:
+        the API's initial_workers (0: none until scaled, as TorchServe), None at startup (default_workers_per_model)."""
         path = locate(url, self.store, allowed_urls=self.allowed_urls)
         try:
             info = inspect(path, url)
@@ -150,13 +132,15 @@ class Registry:
                 batch = batch_size or 1  # TorchServe's defaults when the request names none
                 delay = 100 if max_batch_delay is None else max_batch_delay
                 # TorchServe's order: the archive's minWorkers over initial_workers over default_workers_per_model
-                count = self._bounded(info.min_workers or workers or self.default_workers or 1, name, info.version)
+                wanted = workers if workers is not None else self.default_workers or 1
+                count = self._bounded(info.min_workers or wanted, name, info.version)
                 taken = set().union(*(triton_names(m.triton) for m in self.all()))
                 triton = triton_base(name, info.version, name not in self.models, taken)
                 if triton is None:
                     raise Conflict(f"Model version {info.version} of model {name}: its Triton model names are taken")
                 model = Model(name, info.version, info, triton, batch, delay, count, response_timeout,
-                              loaded_at_startup)
+                              loaded_at_startup, self.startup_timeout if startup_timeout is None else startup_timeout,
+                              handler if handler != info.handler else None)
                 self.models.setdefault(name, {})[info.version] = model
                 self.defaults.setdefault(name, info.version)
                 return model
@@ -169,22 +153,49 @@ class Registry:
         unregisters a model whose workers failed to start."""
         try:
             with self._lock:
-                if self.models.get(model.name, {}).get(model.version) is not model:
-                    return
-                # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall
-                # (docs/performance.md); job_queue_size is bounded in the front instead (Model.pending).
-                options = [*self.build_options, "--max-batch-size", str(model.batch_size), "--max-batch-delay-ms",
-                           str(model.max_batch_delay)]
-                built, result = build(model.info, model.triton, self.cache, options, self.log)
-                for removed in prune(self.cache, {built} | {m.built for m in self.all() if m.built}):
-                    self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
-                model.built, model.result = built, result
-                self._serve(model, built)
+                if self.models.get(model.name, {}).get(model.version) is not model or not model.workers:
+                    return  # unregistered meanwhile, or registered with 0 workers: none to start until scaled
+                self._start(model, model.version)
         except BaseException:
             with self._claims:
                 self._forget(model)
             self._drop_download(model.info.url, model.info.path)
             raise
+
+    def _start(self, model: Model, named: str | None) -> None:
+        """Build `model` (cached) and serve it with its workers within its startup_timeout, else TorchServe's 500
+        (`named`: the version its message names, as TorchServe's: the request's, else null; the reason is logged)."""
+        failed = ArchiveProblem(f"Failed to start workers for model {model.name} version: {named or 'null'}", 500,
+                                "InternalServerException")
+        if model.startup_timeout <= 0:  # TorchServe: no worker starts in 0 s
+            self.log(f"{model.name} {model.version}: startup_timeout={model.startup_timeout}: no worker can start")
+            raise failed
+        info = model.info
+        if model.handler_override is not None:  # TorchServe's `handler`: the manifest's handler replaced
+            info = with_handler(model.info, model.handler_override, self.cache / "handlers")
+        try:
+            # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall
+            # (docs/performance.md); job_queue_size is bounded in the front instead (Model.pending).
+            options = [*self.build_options, "--max-batch-size", str(model.batch_size), "--max-batch-delay-ms",
+                       str(model.max_batch_delay)]
+            built, result = build(info, model.triton, self.cache, options, self.log)
+        finally:
+            if info is not model.info:
+                info.path.unlink(missing_ok=True)
+        for removed in prune(self.cache, {built} | {m.built for m in self.all() if m.built}):
+            self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
+        model.built, model.result = built, result
+        began = time.monotonic()  # the build is serve-repo's own step; the workers' start is Triton's load
+        try:
+            self._serve(model, built)
+        except ArchiveProblem as exc:
+            self.log(f"{model.name} {model.version}: {exc}")
+            raise failed from None
+        if time.monotonic() - began > model.startup_timeout:
+            self.log(f"{model.name} {model.version}: its workers took {time.monotonic() - began:.1f} s to start, over "
+                     f"startup_timeout={model.startup_timeout}")
+            self._stop(model)
+            raise failed
 
     def _drop_download(self, url: str, path: Path) -> None:
         if path == downloaded(url, self.store):  # as TorchServe: a download whose registration failed is removed
@@ -258,14 +269,27 @@ class Registry:
         target.write_text(to_text(served(read_config(source), instances, at_most, None if wait else 0,
                                          None if max_pixels is None else {"max_pixels": str(max_pixels)})))
 
-    def scale(self, model: Model, workers: int) -> None:
+    def scale(self, model: Model, workers: int, named: str | None = None) -> None:
         """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps
-        answering with the old instances until the new ones are ready; nothing in flight is lost)."""
+        answering with the old instances until the new ones are ready; nothing in flight is lost). 0: unloaded, the
+        model still registered (TorchServe's 0 workers); from 0: built (cached) and loaded, as its registration."""
         with self._lock:
             if self.models.get(model.name, {}).get(model.version) is not model:
                 return  # unregistered while the scale waited (e.g. for its build)
-            if not model.members:  # claimed, not built yet: its build serves this many
-                model.workers = workers
+            if not model.members:
+                if model.workers:  # claimed, its build to come (synchronous=false): that build serves this many
+                    model.workers = workers
+                elif workers:  # registered or scaled to 0 workers: started now
+                    model.workers = workers
+                    try:
+                        self._start(model, named)
+                    except BaseException:
+                        model.workers = 0  # still registered, with none, as TorchServe after a failed scale
+                        raise
+                return
+            if not workers:
+                model.workers = 0
+                self._stop(model)
                 return
             config = self.server.repository / model.triton / "config.pbtxt"
             self._write_config(config, config, workers)
@@ -280,21 +304,26 @@ class Registry:
         with self._lock:
             with self._claims:
                 self._forget(model)
-            self.server.loaded = [m for m in self.server.loaded if m not in model.members]
-            # What the front already sent on is answered first; then the models one by one, the ensemble first and
-            # each gone before the next, so that no request in flight in one finds the next one unloaded.
-            deadline = time.monotonic() + model.response_timeout
-            while model.pending and time.monotonic() < deadline:
-                time.sleep(0.05)
-            for member in reversed(model.members):
-                try:
-                    self.server.unload(member)
-                except ServerError as exc:
-                    self.log(f"unregister {model.name}: {exc}")
-                self._wait_unloaded([member])
-            self._remove(model.members)
+            self._stop(model)
             if (fetched := downloaded(model.info.url, self.store)) is not None:
                 fetched.unlink(missing_ok=True)  # as TorchServe 0.12: a downloaded archive leaves with its model
+
+    def _stop(self, model: Model) -> None:
+        """`model`'s Triton models unloaded once what the front sent on is answered (new requests: 503 or 404)."""
+        members, model.members = model.members, []
+        self.server.loaded = [m for m in self.server.loaded if m not in members]
+        # What the front already sent on is answered first; then the models one by one, the ensemble first and
+        # each gone before the next, so that no request in flight in one finds the next one unloaded.
+        deadline = time.monotonic() + model.response_timeout
+        while model.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for member in reversed(members):
+            try:
+                self.server.unload(member)
+            except ServerError as exc:
+                self.log(f"unloading {model.name}: {exc}")
+            self._wait_unloaded([member])
+        self._remove(members)
 
     def _wait_unloaded(self, members: list[str], limit: float = 120) -> None:
         deadline = time.monotonic() + limit

@@ -5,7 +5,6 @@ import hmac
 import json
 import os
 import secrets
-import time
 from pathlib import Path
 
 from starlette.requests import Request

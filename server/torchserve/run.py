@@ -121,6 +121,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
                         config.max_workers, canary=args.canary == "on")
     registry.allowed_urls = config.allowed_urls
     registry.max_pixels = config.max_pixels
+    registry.startup_timeout = config.startup_timeout
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
