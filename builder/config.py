@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from common.modelconfig import instance_groups, to_text
@@ -209,8 +208,7 @@ class ModelSpec:
                 config.ensemble_scheduling.step.add(model_name=step.model_name, model_version=-1,
                                                     input_map=step.input_map, output_map=step.output_map)
         else:
-            for group in instance_groups(self.kind.value, self.instances):  # one group per instance
-                json_format.ParseDict(group, config.instance_group.add())
+            config.instance_group.extend(instance_groups(self.kind.value, self.instances))  # one group per instance
         for key, value in sorted(self.parameters.items()):
             config.parameters[key].string_value = str(value)
         return config

@@ -1,13 +1,16 @@
-"""Read a config.pbtxt into Triton's own ModelConfig protobuf (builder/config.py writes them); instance groups."""
+"""Triton's ModelConfig protobuf, the one typed model config: read from a config.pbtxt (builder/config.py writes them)
+or from Triton's JSON (GET /v2/models/NAME/config), written back as that JSON (a load's config override); instances."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from google.protobuf import json_format, text_format
+from google.protobuf.descriptor import FieldDescriptor
 from tritonclient.grpc import model_config_pb2 as mc
 
 from common.contract import PARAMETERS
+
+_INT64 = {FieldDescriptor.CPPTYPE_INT64, FieldDescriptor.CPPTYPE_UINT64}
 
 
 def to_text(config: mc.ModelConfig) -> str:
@@ -22,49 +25,84 @@ def read_config(path: Path) -> mc.ModelConfig:
     return text_format.Parse(path.read_text(), mc.ModelConfig())
 
 
+def from_json(config: dict) -> mc.ModelConfig:
+    """Triton's JSON form of a model config (its HTTP config API's answer) as ModelConfig. A field this
+    tritonclient's model_config.proto does not know (a newer Triton's) is dropped, not an error; so is an enum value
+    it does not know (the field reads as unset). ValueError naming the field where a value does not parse."""
+    try:
+        return json_format.ParseDict(config, mc.ModelConfig(), ignore_unknown_fields=True)
+    except json_format.ParseError as error:
+        raise ValueError(f"model config: {error}") from None
+
+
+def to_json(config: mc.ModelConfig) -> dict:
+    """`config` in Triton's JSON form, as its load API takes a config override: the proto's own (snake_case) field
+    names and int64 fields (dims, max_queue_delay_microseconds...) as numbers, as Triton writes them itself
+    (MessageToDict writes int64 as strings, which protobuf's JSON parser accepts too). Fields at their default
+    value are left out: Triton's parser reads them as that default."""
+    return _int64_as_numbers(config, json_format.MessageToDict(config, preserving_proto_field_name=True))
+
+
+def _int64_as_numbers(message, data: dict) -> dict:
+    for field, value in message.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            for key, item in value.items():
+                if entry.message_type is not None:
+                    _int64_as_numbers(item, data[field.name][str(key)])
+                elif entry.cpp_type in _INT64:
+                    data[field.name][str(key)] = int(item)
+        elif field.message_type is not None:
+            items = list(value) if isinstance(data[field.name], list) else [value]
+            parts = data[field.name] if isinstance(data[field.name], list) else [data[field.name]]
+            for item, part in zip(items, parts):
+                _int64_as_numbers(item, part)
+        elif field.cpp_type in _INT64:
+            data[field.name] = [int(v) for v in value] if isinstance(data[field.name], list) else int(value)
+    return data
+
+
 def parameters(config: mc.ModelConfig) -> dict[str, str]:
     """The config's parameters as plain strings."""
     return {key: value.string_value for key, value in config.parameters.items()}
 
 
-def instance_groups(kind: str, count: int, like: dict | None = None) -> list[dict]:
-    """`count` instances as `count` groups of one (Triton's JSON form), each with its own
-    rate_limiter priority 1..count when there are several. Triton tells instance groups apart by everything
-    but their name and count, so each instance then has a signature of its own and serve-repo can replace a
-    dead one alone (server/supervisor.py). The priority weighs nothing unless tritonserver runs with
-    --rate-limit (off by default). `like`: a group whose other fields (gpus, host_policy...) are kept."""
-    base = {k: v for k, v in (like or {}).items() if k not in ("name", "count", "rate_limiter")}
-    base["kind"] = kind
+def instance_groups(kind: str | int, count: int, like: mc.ModelInstanceGroup | None = None
+                    ) -> list[mc.ModelInstanceGroup]:
+    """`count` instances as `count` groups of one, each with its own rate_limiter priority 1..count when there are
+    several. Triton tells instance groups apart by everything but their name and count, so each instance then has
+    a signature of its own and serve-repo can replace a dead one alone (server/supervisor.py). The priority weighs
+    nothing unless tritonserver runs with --rate-limit (off by default). `kind`: "KIND_CPU" or its number;
+    `like`: a group whose other fields (gpus, host_policy...) are kept."""
+    kind = mc.ModelInstanceGroup.Kind.Value(kind) if isinstance(kind, str) else kind
     groups = []
     for index in range(count):
-        group = {**json.loads(json.dumps(base)), "count": 1}
+        group = mc.ModelInstanceGroup()
+        if like is not None:
+            group.CopyFrom(like)
+            for name in ("name", "count", "rate_limiter"):
+                group.ClearField(name)
+        group.kind, group.count = kind, 1
         if count > 1:
-            group["rate_limiter"] = {"priority": index + 1}
+            group.rate_limiter.priority = index + 1
         groups.append(group)
     return groups
 
 
-def with_instances(config: dict, count: int) -> dict:
-    """A copy of `config` (Triton's JSON form) serving `count` instances of its first group's kind."""
-    config = json.loads(json.dumps(config))
-    groups = config.get("instance_group") or [{"kind": "KIND_CPU"}]
-    config["instance_group"] = instance_groups(groups[0].get("kind", "KIND_CPU"), count, groups[0])
-    return config
-
-
-def instance_count(config: dict) -> int:
-    """Instances per device in `config` (Triton's JSON form): the counts of its groups added up."""
-    return sum(int(group.get("count", 1)) for group in config.get("instance_group") or [{}])
+def instance_count(config: mc.ModelConfig) -> int:
+    """Instances per device in `config`: the counts of its groups added up (a group's count unset: 1; no group: 1)."""
+    return sum(group.count or 1 for group in config.instance_group) or 1
 
 
 def set_instances(config: mc.ModelConfig, count: int) -> None:
-    """`config` (the protobuf) serving `count` instances of its first group's kind (KIND_CPU where it has none),
-    as `count` groups of one (instance_groups), the first group's other fields kept."""
-    first = (json_format.MessageToDict(config.instance_group[0], preserving_proto_field_name=True)
-             if config.instance_group else {"kind": "KIND_CPU"})
+    """`config` serving `count` instances of its first group's kind (KIND_CPU where it has none, or KIND_AUTO), as
+    `count` groups of one (instance_groups), the first group's other fields kept."""
+    first = mc.ModelInstanceGroup()
+    if config.instance_group:
+        first.CopyFrom(config.instance_group[0])
+    groups = instance_groups(first.kind or mc.ModelInstanceGroup.KIND_CPU, count, first)
     del config.instance_group[:]
-    for group in instance_groups(first.get("kind", "KIND_CPU"), count, first):
-        json_format.ParseDict(group, config.instance_group.add())
+    config.instance_group.extend(groups)
 
 
 def served(config: mc.ModelConfig, instances: int | None = None, at_most: int | None = None,

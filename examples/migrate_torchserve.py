@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from common.cli import OneLineParser
+from common.modelconfig import parameters
 
 SAMPLE = Path(__file__).resolve().parent.parent / "clients" / "samples" / "chelsea.jpg"
 # A model file as a TorchServe user has one (build-repo --model-file, the .mar's model.py, the offline demo).
@@ -114,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         with TritonServer.local(repo) as server:
             served = classify.classify_raw([SAMPLE], server.http_url, "http", "effnet-lite0", 5)[0]
-            params = server.model_config("effnet-lite0").get("parameters", {})
-            engine = " ".join(params.get(key, {}).get("string_value", "?") for key in ("engine", "precision"))
+            params = parameters(server.model_config("effnet-lite0"))
+            engine = " ".join(params.get(key, "?") for key in ("engine", "precision"))
     expected = torchserve_top5(efficientnet_module(), names)
     worst = max(abs(p - q) for (_, p), (_, q) in zip(served, expected))
     same_labels = [label for label, _ in served] == [label for label, _ in expected]

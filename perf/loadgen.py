@@ -10,7 +10,7 @@ import numpy as np
 import tritonclient.http as httpclient
 
 from common.contract import IMAGE as INPUT, IMAGE_BYTES, LOGITS as OUTPUT
-from common.modelconfig import with_instances
+from common.modelconfig import from_json, served, to_json
 from perf.stats import counters
 
 
@@ -145,7 +145,7 @@ def batching_override(base: dict, max_batch_size: int, delay_us: int, instances:
             config["dynamic_batching"]["default_queue_policy"] = policy
     else:
         config.pop("dynamic_batching", None)
-    return with_instances(config, instances) if instances else config
+    return to_json(served(from_json(config), instances)) if instances else config
 
 
 def load_with(client, model: str, config: dict) -> None:

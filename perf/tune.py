@@ -7,12 +7,10 @@ import sys
 from pathlib import Path
 
 import tritonclient.http as httpclient
-from google.protobuf import json_format
-from tritonclient.grpc import model_config_pb2 as mc
 
 from common.cli import OneLineParser
 from builder import config as cfg
-from common.modelconfig import instance_count, to_text
+from common.modelconfig import from_json, instance_count, to_text
 from perf import loadgen
 from clients.classify import model_config
 from common.messages import first_line
@@ -44,10 +42,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def to_model_config(config: dict) -> mc.ModelConfig:
-    return json_format.ParseDict(config, mc.ModelConfig(), ignore_unknown_fields=True)
-
-
 def candidate(base: dict, size: int, delay_us: int, instances: int) -> dict:
     """The served config with new batching, validated by the builder's rules before Triton sees it."""
     cfg.Batching(size, delay_us).validate()
@@ -77,7 +71,7 @@ def table(points, best_key) -> str:
 
 def write(config: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_text(to_model_config(config)))
+    path.write_text(to_text(from_json(config)))
     return path
 
 
@@ -86,7 +80,7 @@ def reconfigure(client, model: str, base: dict, args) -> dict:
     delay_ms = args.max_batch_delay_ms
     delay = round(delay_ms * 1000) if delay_ms is not None else int(
         base.get("dynamic_batching", {}).get("max_queue_delay_microseconds", 0))
-    instances = args.instance_count or instance_count(base)
+    instances = args.instance_count or instance_count(from_json(base))
     config = candidate(base, size, delay, instances)
     loadgen.load_with(client, model, config)
     print(f"{model}: max_batch_size={size} max_queue_delay_microseconds={delay} instances={instances} (live)")

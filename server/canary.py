@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from common.contract import IMAGE_BYTES, LOGITS
 from common.messages import first_line
+from common.modelconfig import mc
 from server.errors import ServerError
 from server.unix_http import sync_client
 
@@ -53,12 +54,9 @@ class Report:
         return text
 
 
-def _dims(tensor: dict) -> list[int]:
-    return [int(d) for d in tensor.get("dims", [])]
-
-
-def _datatype(tensor: dict) -> str:
-    name = tensor.get("data_type", "TYPE_FP32").removeprefix("TYPE_")
+def _datatype(tensor: mc.ModelInput | mc.ModelOutput) -> str:
+    """The tensor's datatype as the inference protocol names it (TYPE_STRING is BYTES; unset: FP32)."""
+    name = mc.DataType.Name(tensor.data_type or mc.TYPE_FP32).removeprefix("TYPE_")
     return "BYTES" if name == "STRING" else name
 
 
@@ -71,15 +69,15 @@ def tiny_jpeg() -> bytes:
     return buffer.getvalue()
 
 
-def canary_inputs(config: dict) -> list[httpclient.InferInput] | str:
-    """The canary request's inputs for `config` (Triton's JSON form), or why none can be made up."""
-    batched = int(config.get("max_batch_size", 0)) > 0
+def canary_inputs(config: mc.ModelConfig) -> list[httpclient.InferInput] | str:
+    """The canary request's inputs for `config` (the served config), or why none can be made up."""
+    batched = config.max_batch_size > 0
     inputs = []
-    for tensor in config.get("input", []):
-        if tensor.get("optional"):
+    for tensor in config.input:
+        if tensor.optional:
             continue
-        name, datatype = tensor["name"], _datatype(tensor)
-        shape = ([1] if batched else []) + [FREE_DIM if d < 0 else d for d in _dims(tensor)]
+        name, datatype = tensor.name, _datatype(tensor)
+        shape = ([1] if batched else []) + [FREE_DIM if d < 0 else d for d in tensor.dims]
         if datatype == "BYTES":
             if name != IMAGE_BYTES:
                 return f"input {name} is bytes of no declared test input (a custom handler's request body)"
@@ -98,16 +96,16 @@ def _shown(array: np.ndarray) -> str:
     return f"{array.dtype} shape {tuple(array.shape)} {values}{' ...' if flat.size > 4 else ''}"
 
 
-def wrong(config: dict, outputs: dict[str, np.ndarray]) -> str | None:
+def wrong(config: mc.ModelConfig, outputs: dict[str, np.ndarray]) -> str | None:
     """What is wrong with a batch-1 answer to `config`'s model, in one phrase naming the output and showing it;
     None when every declared output has its shape (-1: any size), dtype, is not empty and, floats, is finite."""
-    batched = int(config.get("max_batch_size", 0)) > 0
-    for tensor in config.get("output", []):
-        name, datatype = tensor["name"], _datatype(tensor)
+    batched = config.max_batch_size > 0
+    for tensor in config.output:
+        name, datatype = tensor.name, _datatype(tensor)
         array = outputs.get(name)
         if array is None:
             return f"{name} missing"
-        expected = ([1] if batched else []) + _dims(tensor)
+        expected = ([1] if batched else []) + list(tensor.dims)
         dtype = np.dtype(triton_to_np_dtype(datatype))
         if array.size == 0:
             return f"{name} empty: {_shown(array)}, expected shape {tuple(expected)}"
@@ -121,17 +119,17 @@ def wrong(config: dict, outputs: dict[str, np.ndarray]) -> str | None:
     return None
 
 
-def probe(url: str, model: str, config: dict, timeout: float = TIMEOUT) -> str | None:
+def probe(url: str, model: str, config: mc.ModelConfig, timeout: float = TIMEOUT) -> str | None:
     """Send `model` its canary; raise CanaryFailed where the answer is wrong or an error. Returns why it was not
     probed (its inputs cannot be made up), else None."""
     inputs = canary_inputs(config)
     if isinstance(inputs, str):
         return inputs
-    outputs = [httpclient.InferRequestedOutput(t["name"], binary_data=True) for t in config.get("output", [])]
+    outputs = [httpclient.InferRequestedOutput(t.name, binary_data=True) for t in config.output]
     client = sync_client(url, connection_timeout=min(timeout, 10.0), network_timeout=timeout)
     try:
         result = client.infer(model, inputs, outputs=outputs)
-        answer = {t["name"]: result.as_numpy(t["name"]) for t in config.get("output", [])}
+        answer = {t.name: result.as_numpy(t.name) for t in config.output}
     except InferenceServerException as error:
         raise CanaryFailed(model, f"model {model} failed its canary request: {first_line(error)[:300]}") from None
     except (OSError, ValueError) as error:  # the body did not parse into the declared tensors (an empty FP32 output)
@@ -144,15 +142,14 @@ def probe(url: str, model: str, config: dict, timeout: float = TIMEOUT) -> str |
     return None
 
 
-def targets(configs: dict[str, dict], changed: list[str] | None = None) -> list[str]:
-    """Which of the models in `configs` (name -> Triton's JSON config) to probe: every one but an ensemble's step
+def targets(configs: dict[str, mc.ModelConfig], changed: list[str] | None = None) -> list[str]:
+    """Which of the models in `configs` (name -> its served config) to probe: every one but an ensemble's step
     that outputs no LOGITS (its ensemble's probe goes through it). With `changed`, only those and the loaded
     ensembles that go through one of them."""
-    steps = {name: {step.get("model_name") for step in (config.get("ensemble_scheduling") or {}).get("step", [])}
-             for name, config in configs.items()}
+    steps = {name: {step.model_name for step in config.ensemble_scheduling.step} for name, config in configs.items()}
     inside = set().union(*steps.values()) if steps else set()
     wanted = [name for name, config in configs.items()
-              if name not in inside or any(t.get("name") == LOGITS for t in config.get("output", []))]
+              if name not in inside or any(t.name == LOGITS for t in config.output)]
     if changed is None:
         return wanted
     return [name for name in wanted if name in changed or steps[name] & set(changed)]
@@ -167,7 +164,7 @@ def run(server, changed: list[str] | None = None, models: list[str] | None = Non
 
     started = time.monotonic()
     report = Report()
-    configs = {}
+    configs: dict[str, mc.ModelConfig] = {}
     for name in server.loaded if models is None else models:
         try:
             configs[name] = server.model_config(name)
@@ -203,8 +200,8 @@ def run(server, changed: list[str] | None = None, models: list[str] | None = Non
         else:
             report.probed.append(model)
     for name in chosen:
-        for step in (configs[name].get("ensemble_scheduling") or {}).get("step", []):
-            if step.get("model_name") not in chosen:
-                report.through.setdefault(step.get("model_name"), name)
+        for step in configs[name].ensemble_scheduling.step:
+            if step.model_name not in chosen:
+                report.through.setdefault(step.model_name, name)
     report.seconds = time.monotonic() - started
     return report

@@ -10,12 +10,12 @@ where dead copies are never freed anyway, past `max_unfreed` of them tritonserve
 """
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
 from typing import Callable
 
+from common.modelconfig import mc
 from server import canary
 from server.triton import ServerError, TritonServer, release_thread_hub
 
@@ -326,17 +326,16 @@ class Supervisor:
         return True
 
 
-def renewed(config: dict, instance: str = "all") -> dict:
-    """`config` (Triton's JSON) with a new signature for the instance group that holds `instance` (all groups
-    for "all" or an instance no group names): its rate_limiter priority set to the lowest one no group has.
+def renewed(config: mc.ModelConfig, instance: str = "all") -> mc.ModelConfig:
+    """A copy of `config` with a new signature for the instance group that holds `instance` (all groups for "all"
+    or an instance no group names): its rate_limiter priority set to the lowest one no group has.
     Triton compares groups by everything but name and count, so it replaces exactly that group's instances
     (build-repo writes one group per instance, each its own priority: one dead instance is replaced alone);
     the priority weighs nothing unless tritonserver runs with --rate-limit (off by default)."""
-    config = json.loads(json.dumps(config))
-    groups = config.get("instance_group") or []
-    named = [g for g in groups if instance.startswith(f"{g.get('name', '')}_")
-             and instance[len(g.get("name", "")) + 1:].isdigit()]
+    config = mc.ModelConfig.FromString(config.SerializeToString())
+    groups = config.instance_group
+    named = [g for g in groups if instance.startswith(f"{g.name}_") and instance[len(g.name) + 1:].isdigit()]
     for group in named or groups:
-        taken = {int((g.get("rate_limiter") or {}).get("priority") or 0) for g in groups}
-        group.setdefault("rate_limiter", {})["priority"] = min(set(range(1, len(groups) + 2)) - taken)
+        taken = {g.rate_limiter.priority for g in groups}
+        group.rate_limiter.priority = min(set(range(1, len(groups) + 2)) - taken)
     return config

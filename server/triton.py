@@ -18,6 +18,7 @@ from pathlib import Path
 from tritonclient.utils import InferenceServerException
 
 from common.messages import first_line
+from common.modelconfig import from_json, mc, to_json
 from common.procs import free_port, port_free
 from server.errors import ServerError
 from server.libcuda import stub_library_path
@@ -259,9 +260,9 @@ class TritonServer:
         except (OSError, ValueError) as error:
             raise ServerError(f"{what}: {first_line(error)}") from None
 
-    def model_config(self, name: str) -> dict:
-        """The configuration Triton serves `name` with (its JSON form)."""
-        return self._call(f"config of {name}", lambda client: client.get_model_config(name), 10)
+    def model_config(self, name: str) -> mc.ModelConfig:
+        """The configuration Triton serves `name` with (read from its JSON form)."""
+        return self._call(f"config of {name}", lambda client: from_json(client.get_model_config(name)), 10)
 
     @property
     def _admin(self) -> dict | None:
@@ -272,10 +273,10 @@ class TritonServer:
         """The repository index: every model Triton knows of, with its state (READY, UNLOADING, ...)."""
         return self._call("index", lambda client: client.get_model_repository_index(headers=self._admin), timeout)
 
-    def load(self, model: str, config: dict | None = None, timeout: float = 600) -> None:
+    def load(self, model: str, config: mc.ModelConfig | None = None, timeout: float = 600) -> None:
         """Load (or update) `model`; with `config`, under that config instead of its config.pbtxt."""
         self._call(f"load {model}", lambda client: client.load_model(
-            model, headers=self._admin, config=json.dumps(config) if config is not None else None), timeout)
+            model, headers=self._admin, config=json.dumps(to_json(config)) if config is not None else None), timeout)
 
     def unload(self, model: str, timeout: float = 60) -> None:
         self._call(f"unload {model}", lambda client: client.unload_model(model, headers=self._admin), timeout)

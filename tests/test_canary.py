@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.modelconfig import from_json
 from common.procs import free_port
 from server import canary, cli
 from support import SMALL
@@ -49,9 +50,10 @@ def _wrong_repo(repository: Path, folder: Path, how: str) -> Path:
     return folder
 
 
-CLASSIFIER = {"name": "m", "max_batch_size": 8,
+CLASSIFIER_JSON = {"name": "m", "max_batch_size": 8,
               "input": [{"name": "IMAGE", "data_type": "TYPE_FP32", "dims": [3, 224, 224]}],
               "output": [{"name": "LOGITS", "data_type": "TYPE_FP32", "dims": [1000]}]}
+CLASSIFIER = from_json(CLASSIFIER_JSON)  # as serve-repo reads Triton's answer
 
 
 @pytest.mark.parametrize("answer, named", [
@@ -71,17 +73,17 @@ def test_canary_accepts_a_finite_answer_of_the_declared_shape_and_dtype():
 def test_canary_inputs_follow_the_config_and_a_handlers_body_is_skipped_saying_why():
     (image,) = canary.canary_inputs(CLASSIFIER)
     assert (image.name(), image.shape(), image.datatype()) == ("IMAGE", [1, 3, 224, 224], "FP32")
-    jpeg = {**CLASSIFIER, "input": [{"name": "IMAGE_BYTES", "data_type": "TYPE_STRING", "dims": [1]}]}
+    jpeg = from_json({**CLASSIFIER_JSON, "input": [{"name": "IMAGE_BYTES", "data_type": "TYPE_STRING", "dims": [1]}]})
     (encoded,) = canary.canary_inputs(jpeg)
     assert (encoded.shape(), encoded.datatype()) == ([1, 1], "BYTES") and canary.tiny_jpeg()[:2] == b"\xff\xd8"
-    handler = {**CLASSIFIER, "input": [{"name": "BODY", "data_type": "TYPE_STRING", "dims": [1]}]}
+    handler = from_json({**CLASSIFIER_JSON, "input": [{"name": "BODY", "data_type": "TYPE_STRING", "dims": [1]}]})
     assert "no declared test input" in canary.canary_inputs(handler)
 
 
 def test_canary_probes_an_ensembles_classifier_and_not_its_preprocess_alone():
-    ensemble = {"platform": "ensemble", "output": [{"name": "LOGITS"}], "ensemble_scheduling": {"step": [
-        {"model_name": "m_preprocess"}, {"model_name": "m"}]}}
-    configs = {"m": CLASSIFIER, "m_preprocess": {"output": [{"name": "IMAGE"}]}, "m_image": ensemble}
+    ensemble = from_json({"platform": "ensemble", "output": [{"name": "LOGITS"}], "ensemble_scheduling": {"step": [
+        {"model_name": "m_preprocess"}, {"model_name": "m"}]}})
+    configs = {"m": CLASSIFIER, "m_preprocess": from_json({"output": [{"name": "IMAGE"}]}), "m_image": ensemble}
     assert canary.targets(configs) == ["m", "m_image"]
     assert canary.targets(configs, ["m_preprocess"]) == ["m_image"]  # a replaced step: its ensemble is probed
 

@@ -92,14 +92,14 @@ def test_queue_policy_is_refused_with_the_field_named_when_invalid(batching, mes
         _spec(batching=batching).to_proto()
 
 
-def test_with_instances_keeps_the_group_and_counts_instances_across_groups():
-    from common.modelconfig import instance_count, with_instances
+def test_set_instances_keeps_the_group_and_counts_instances_across_groups():
+    from common.modelconfig import from_json, instance_count, served, to_json
 
-    served = {"name": "m", "instance_group": [{"name": "m_0", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1],
-                                               "rate_limiter": {"priority": 0}}]}
-    assert instance_count(served) == 2
-    three = with_instances(served, 3)
-    assert three["instance_group"] == [{"kind": "KIND_GPU", "gpus": [0, 1], "count": 1,
-                                        "rate_limiter": {"priority": p}} for p in (1, 2, 3)]
-    assert instance_count(three) == 3 and served["instance_group"][0]["count"] == 2  # a copy
-    assert with_instances(served, 1)["instance_group"] == [{"kind": "KIND_GPU", "gpus": [0, 1], "count": 1}]
+    config = from_json({"name": "m", "instance_group": [{"name": "m_0", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1],
+                                                         "rate_limiter": {"priority": 0}}]})
+    assert instance_count(config) == 2 and instance_count(mc.ModelConfig()) == 1
+    three = served(config, 3)
+    assert to_json(three)["instance_group"] == [{"kind": "KIND_GPU", "gpus": [0, 1], "count": 1,
+                                                 "rate_limiter": {"priority": p}} for p in (1, 2, 3)]
+    assert instance_count(three) == 3 and config.instance_group[0].count == 2  # a copy
+    assert to_json(served(config, 1))["instance_group"] == [{"kind": "KIND_GPU", "gpus": [0, 1], "count": 1}]

@@ -51,21 +51,24 @@ def test_dead_stub_is_replaced_in_place_and_the_model_answers(serve, small_model
 
 
 def test_renewed_changes_only_the_signature_of_the_dead_instances_group():
+    from common.modelconfig import from_json, to_json
     from server.supervisor import renewed
 
-    config = {"name": "m", "max_batch_size": 8, "instance_group": [
+    config = from_json({"name": "m", "max_batch_size": 8, "instance_group": [
         {"name": "m_0", "kind": "KIND_CPU", "count": 2},
-        {"name": "m_1", "kind": "KIND_CPU", "count": 1, "rate_limiter": {"priority": 1}}]}
+        {"name": "m_1", "kind": "KIND_CPU", "count": 1, "rate_limiter": {"priority": 1}}]})
     once = renewed(config, "m_0_1")
-    assert once["instance_group"][0]["rate_limiter"] == {"priority": 2}  # the lowest no group has
-    assert once["instance_group"][1] == config["instance_group"][1]  # the other group is left alone
-    assert {k: v for k, v in once.items() if k != "instance_group"} == {"name": "m", "max_batch_size": 8}
-    assert renewed(once, "m_0_0")["instance_group"][0]["rate_limiter"] == {"priority": 3}  # a new one each time
-    assert renewed(renewed(once, "m_0_0"), "m_0_0")["instance_group"][0]["rate_limiter"] == {"priority": 2}
-    assert renewed(config, "m_1_0")["instance_group"][1]["rate_limiter"] == {"priority": 2}
+    assert once.instance_group[0].rate_limiter.priority == 2  # the lowest no group has
+    assert once.instance_group[1] == config.instance_group[1]  # the other group is left alone
+    assert {k: v for k, v in to_json(once).items() if k != "instance_group"} == {"name": "m", "max_batch_size": 8}
+    assert renewed(once, "m_0_0").instance_group[0].rate_limiter.priority == 3  # a new one each time
+    assert renewed(renewed(once, "m_0_0"), "m_0_0").instance_group[0].rate_limiter.priority == 2
+    assert renewed(config, "m_1_0").instance_group[1].rate_limiter.priority == 2
     everything = renewed(config, "all")
-    assert [g["rate_limiter"]["priority"] for g in everything["instance_group"]] == [2, 3]
-    assert "rate_limiter" not in config["instance_group"][0]  # the caller's config is not changed
+    assert [g.rate_limiter.priority for g in everything.instance_group] == [2, 3]
+    assert not config.instance_group[0].HasField("rate_limiter")  # the caller's config is not changed
+    assert to_json(once)["instance_group"][0] == {"name": "m_0", "kind": "KIND_CPU", "count": 2,
+                                                  "rate_limiter": {"priority": 2}}  # as Triton's load API reads it
 
 
 def test_dead_preprocess_stub_brings_the_image_path_back(serve):

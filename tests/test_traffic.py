@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from google.protobuf import json_format
 
 from builder.config import write_config
 from common.modelconfig import instance_groups, read_config
@@ -23,8 +22,7 @@ def _repo(repository: Path, into: Path, instances: int) -> Path:
         shutil.copytree(model, into / model.name)
     config = read_config(into / SMALL)
     del config.instance_group[:]
-    for group in instance_groups("KIND_CPU", instances):  # as build-repo --instances writes them
-        json_format.ParseDict(group, config.instance_group.add())
+    config.instance_group.extend(instance_groups("KIND_CPU", instances))  # as build-repo --instances writes them
     write_config(config, into / SMALL)
     return into
 
