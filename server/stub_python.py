@@ -21,6 +21,10 @@ ENV = "SERVE_REPO_STUB_PYTHON"  # serve-repo --stub-python's default: the GPU ma
 # What the stub reads: its isolated interpreter (-I: no PYTHONPATH, no user site, no script folder on sys.path).
 _PROBE = "import numpy; print(numpy.__version__)"
 _checked: dict[tuple, str] = {}  # (interpreter, its mtime) -> numpy version: restarts do not ask again
+# Where the stub's libpythonX.Y.so.1.0 lives: the stub links it by name, so the loader must find it.
+_LIBPYTHON = "import sysconfig as s; print(s.get_config_var('LIBDIR')); print(s.get_config_var('INSTSONAME'))"
+_SYSTEM_LIBS = ("/lib", "/usr/lib", "/lib64", "/usr/lib64")  # the loader's own folders (ld.so.cache)
+_libdirs: dict[str, dict] = {}
 
 
 def resolve_stub_python(given: str | os.PathLike | None = None) -> Path:
@@ -63,3 +67,23 @@ def check_stub_python(python: Path, env: dict) -> str:
                           f"back empty (fixed upstream after r24.10, python_backend PR #384); {fix}")
     _checked[key] = version
     return version
+
+
+def libpython_env(python: Path, env: dict) -> dict:
+    """{"LD_LIBRARY_PATH": ...} with the stubs' Python's shared libpython folder added where the loader would not
+    find it (pyenv, a --prefix build: the stub exits "libpython3.10.so.1.0: cannot open shared object file" and
+    the model never loads); {} for a system Python, or one with no shared libpython (nothing to point at)."""
+    if str(python) not in _libdirs:
+        try:
+            done = subprocess.run([str(python), "-I", "-c", _LIBPYTHON], env=env, capture_output=True, text=True,
+                                  timeout=120)
+            libdir, soname = done.stdout.split()[:2] if done.returncode == 0 else ("", "")
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            libdir, soname = "", ""
+        found = libdir and soname != "None" and (Path(libdir) / soname).is_file()
+        system = not found or any(libdir == d or libdir.startswith(d + "/") for d in _SYSTEM_LIBS)
+        _libdirs[str(python)] = {} if system else {"LD_LIBRARY_PATH": libdir}
+    added = _libdirs[str(python)].get("LD_LIBRARY_PATH")
+    if not added or added in env.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        return {}
+    return {"LD_LIBRARY_PATH": os.pathsep.join(filter(None, [env.get("LD_LIBRARY_PATH", ""), added]))}

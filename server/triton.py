@@ -24,7 +24,7 @@ from server.errors import ServerError
 from server.libcuda import stub_library_path
 from server.log import TritonLog
 from server.procfs import SHM_PREFIX, WORKDIR_PREFIX, Stub, remove_stale, stubs_of, with_parent_death
-from server.stub_python import check_stub_python, resolve_stub_python, stub_path
+from server.stub_python import check_stub_python, libpython_env, resolve_stub_python, stub_path
 from server.repo import compile_bytecode, fingerprint, flag_names, gpu_flags, servable_models, uses_gpu
 from server.unix_http import SOCKETS, UNIX, connect, listen_flags, release_thread_hub, sync_client, unlink_socket
 from server.wheel import make_backend_dir, pytriton_root
@@ -165,6 +165,7 @@ class TritonServer:
         # (or --stub-python's). Its NumPy must be 1.x: checked before Triton starts (server.stub_python).
         env["PATH"] = stub_path(self.stub_python, env.get("PATH", ""))
         self.stub_numpy = check_stub_python(self.stub_python, env)
+        env.update(libpython_env(self.stub_python, env))
         if self.libcuda_link and uses_gpu(self.repository):
             library_path = stub_library_path(self._workdir / "libcuda", env.get("LD_LIBRARY_PATH", ""))
             if library_path is not None:

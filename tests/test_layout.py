@@ -74,8 +74,9 @@ def test_no_script_kills_processes_by_pattern_when_the_tree_is_searched():
     assert scripts and not [str(p.relative_to(ROOT)) for p in scripts if pattern.search(p.read_text(errors="replace"))]
 
 
-# What Python 3.11 added that a module here could reach for: pyproject says >= 3.10 (no 3.10 is installed here, so
-# the grammar is checked by ast's feature_version and these names by search).
+# What Python 3.11 added that a module here could reach for: pyproject says >= 3.10. tests/test_python_floor.py imports
+# the modules that need no torch on a real 3.10; the ones that need torch never run on 3.10 here (its 3.10 build is
+# several GB), so every module's grammar is checked by ast's feature_version and these names by search.
 PY311 = re.compile(r"asyncio\.Runner|asyncio\.TaskGroup|asyncio\.timeout\(|\btomllib\b|\bExceptionGroup\b|"
                    r"typing\.Self|import Self\b|\bStrEnum\b|datetime\.UTC\b|\.add_note\(|hashlib\.file_digest")
 
