@@ -25,7 +25,8 @@ import urllib.request
 from pathlib import Path
 
 from common.cli import OneLineParser
-from common.modelconfig import from_json, served, to_json
+from common.modelconfig import from_json, to_json
+from common.modelconfig import served as served_config
 from perf import loadgen
 from perf.bench import InProcess, machine
 from perf.samples import CAT as SAMPLE
@@ -84,7 +85,7 @@ def calibration_folder(folder: Path) -> Path:
 def with_batching(config: dict, dynamic: bool, delay_us: int, bounds: bool, instances: int = 1) -> dict:
     """The config with the sweep's batching: no dynamic batcher (each request runs alone, batch 1), or one
     with this delay, keeping or dropping build-repo's queue bounds (max_queue_size, timeout)."""
-    config = to_json(served(from_json(config), instances))
+    config = to_json(served_config(from_json(config), instances))
     policy = config.get("dynamic_batching", {}).get("default_queue_policy")
     config.pop("dynamic_batching", None)
     if dynamic:

@@ -222,7 +222,6 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("GET", "m:/models/nohandler", None, "bytes"),
     ("POST", "m:/models?url=other.mar&model_name=nohandler&handler=nohandler&initial_workers=0", None, "bytes"),
     ("PUT", "m:/models/nohandler?min_worker=1&synchronous=true", None, "bytes"),
-    ("PUT", "m:/models/nohandler/1.0?min_worker=1&synchronous=true", None, "bytes"),
     ("DELETE", "m:/models/nohandler", None, "bytes"),
     ("POST", "m:/models?url=other.mar&model_name=slow&startup_timeout=0&initial_workers=1", None, "bytes"),
     ("GET", "m:/models/slow", None, "bytes"),
