@@ -52,7 +52,7 @@ def test_sweep_configs_change_only_batching_and_instances_when_built():
     assert unbounded["instance_group"] == [{"kind": "KIND_CPU", "count": 1, "rate_limiter": {"priority": 1}},
                                            {"kind": "KIND_CPU", "count": 1, "rate_limiter": {"priority": 2}}]
     bounded = cpu_engines.with_batching(base, True, 0, True)
-    assert bounded["dynamic_batching"]["default_queue_policy"] == {"max_queue_size": "128"}
+    assert bounded["dynamic_batching"]["default_queue_policy"] == {"max_queue_size": 128}  # a number, as Triton writes it
     assert base["instance_group"][0]["count"] == 1 and "dynamic_batching" in base  # the base is untouched
 
 
