@@ -109,7 +109,7 @@ def test_compose_publishes_only_the_proxy_ports_and_keeps_tritons_on_its_network
     assert sorted(_compose("proxy")["ports"]) == [f"{_port(env[k])}:{_port(env[k])}"
                                                   for k in ("PROXY_HTTP_BIND", "PROXY_GRPC_BIND")]
     assert "ports" not in _compose()
-    (exposed,) = re.findall(r"^EXPOSE (.+)$", (DOCKER / "Dockerfile").read_text(), re.M)
+    exposed, _ = re.findall(r"^EXPOSE (.+)$", (DOCKER / "Dockerfile").read_text(), re.M)  # Triton's, the TorchServe front's
     assert sorted(int(p) for p in _compose()["expose"]) == sorted(int(p) for p in exposed.split()) == sorted(
         _port(env[k]) for k in ("TRITON_HTTP", "TRITON_GRPC", "TRITON_METRICS"))
     assert all(env[k].startswith("triton:") for k in ("TRITON_HTTP", "TRITON_GRPC", "TRITON_METRICS"))
@@ -119,7 +119,7 @@ def test_compose_publishes_only_the_proxy_ports_and_keeps_tritons_on_its_network
 def test_k8s_triton_listens_on_loopback_and_the_proxy_beside_it_reaches_it_when_parsed():
     args, env = _container()["args"], _k8s_env()
     assert {"--http-address=127.0.0.1", "--grpc-address=127.0.0.1", "--metrics-address=127.0.0.1"} <= set(args)
-    (exposed,) = re.findall(r"^EXPOSE (.+)$", (DOCKER / "Dockerfile").read_text(), re.M)
+    exposed, _ = re.findall(r"^EXPOSE (.+)$", (DOCKER / "Dockerfile").read_text(), re.M)  # Triton's, the TorchServe front's
     assert [env[k] for k in ("TRITON_HTTP", "TRITON_GRPC", "TRITON_METRICS")] == [
         f"127.0.0.1:{p}" for p in exposed.split()]  # Triton's default ports, not moved by any flag
     assert not any(arg.startswith(("--http-port", "--grpc-port", "--metrics-port")) for arg in args)

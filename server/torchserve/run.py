@@ -19,12 +19,12 @@ from server.torchserve.bounded_http import BoundedHttpToolsProtocol
 from server.torchserve.inference import Inference
 from server.torchserve.management import Management
 from server.torchserve.metrics import Metrics
+from server.torchserve.ping import KEY_FILE  # TorchServe writes it in the directory it was started from
 from server.torchserve.properties import PropertiesError, Settings, settings as read_settings
 from server.torchserve.registry import Conflict, Registry
 from server.torchserve.replies import Tokens
 from server.triton import TritonServer
 
-KEY_FILE = "key_file.json"  # TorchServe writes it in the directory it was started from
 # TorchServe's trust: the model store is the operator's, and allowed_urls says what else a registration may fetch
 # (archives.locate); an archive admitted by them runs its code, as TorchServe runs it (docs/security.md).
 TRUST = ("--trust-model-code",)
