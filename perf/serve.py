@@ -112,20 +112,27 @@ class ServeRepo:
 
 class TorchServeFront(ServeRepo):
     """`python -m server.cli --torchserve-config FILE` as a TorchServe user starts it: FILE is written with free
-    inference, management and metrics ports and `properties` (model_store=..., load_models=..., ...)."""
+    inference, management and metrics ports and `properties` (model_store=..., load_models=..., ...). `config=False`:
+    no config file (TorchServe's rule: the newest snapshot in FOLDER/logs/config is the configuration), `ports` those
+    it names (a stopped front's)."""
 
-    def __init__(self, folder: Path, *flags: str, timeout: float = 600, **properties: str):
+    def __init__(self, folder: Path, *flags: str, timeout: float = 600, config: bool = True,
+                 ports: list[int] | None = None, **properties: str):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
-        self.ports = [free_port() for _ in range(3)]
+        self.ports = list(ports) if ports else [free_port() for _ in range(3)]
         self.inference_url, self.management_url, self.metrics_url = (f"http://127.0.0.1:{p}" for p in self.ports)
         addresses = {"inference_address": self.inference_url, "management_address": self.management_url,
                      "metrics_address": self.metrics_url}
         self.config = folder / "config.properties"
-        self.config.write_text("".join(f"{k}={v}\n" for k, v in {**addresses, **properties}.items()))
-        self.process = subprocess.Popen([sys.executable, "-m", "server.cli", "--torchserve-config", str(self.config),
-                                         *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        if config:
+            self.config.write_text("".join(f"{k}={v}\n" for k, v in {**addresses, **properties}.items()))
+        self.started = time.monotonic()
+        self.process = subprocess.Popen([sys.executable, "-m", "server.cli",
+                                         *(["--torchserve-config", str(self.config)] if config else []), *flags],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         cwd=folder, env={**os.environ, "PYTHONPATH": str(ROOT)})
         self.lines = []
         threading.Thread(target=self._pump, daemon=True).start()
         self.ready_line = self.wait_for("torchserve API ready", timeout)
+        self.took = time.monotonic() - self.started  # seconds to ready: its start, restoring its models included

@@ -187,10 +187,10 @@ class TorchServe:
 
 @contextmanager
 def started(folder: Path, archive: Path | None, workers: int | None, timeout: float = 600, properties: dict | None = None,
-            store: Path | None = None):
+            store: Path | None = None, snapshots: bool = False):
     """torchserve --start with `archive` registered, ready; stopped (and its pids ended) on exit. `properties`: more
     config.properties lines (enable_model_api=true, ...). archive None: no model, `store` the model store, ready
-    once /ping answers."""
+    once /ping answers. `snapshots`: without --ncs, its config snapshots written to FOLDER/logs/config."""
     commands = executables()
     ports = [free_port() for _ in range(5)]
     server = TorchServe(folder, archive.stem if archive else "", f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
@@ -205,7 +205,7 @@ def started(folder: Path, archive: Path | None, workers: int | None, timeout: fl
         f"grpc_inference_port={ports[3]}", f"grpc_management_port={ports[4]}",
         "install_py_dep_per_model=false", "disable_token_authorization=true",
         *(f"{key}={value}" for key, value in (properties or {}).items()), ""]))
-    launch = [commands["torchserve"], "--start", "--ncs", "--disable-token-auth", "--ts-config", str(config),
+    launch = [commands["torchserve"], "--start", *([] if snapshots else ["--ncs"]), "--disable-token-auth", "--ts-config", str(config),
               "--model-store", str(archive.parent if archive else store),
               *(["--models", f"{archive.stem}={archive.name}"] if archive else [])]
     with open(folder / "logs" / "launcher.log", "ab") as sink:

@@ -114,6 +114,11 @@ def parser() -> argparse.ArgumentParser:
     ts.add_argument("--disable-token-auth", action="store_true",
                     help="no token on the TorchServe APIs (else key_file.json in the working directory holds the "
                          "inference and management keys). Default: tokens on, as TorchServe >= 0.11.")
+    ts.add_argument("--ncs", "--no-config-snapshots", dest="ncs", action="store_true",
+                    help="no config snapshots, as torchserve --ncs: none written to LOG_LOCATION/config (else "
+                         "logs/config in the working directory) and, with no --torchserve-config, none read: the "
+                         "registrations last one run. Default: snapshots on, the newest one read when no config "
+                         "file is given.")
     ts.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"),
                     help="build-repo --precision for the archives. Default: build-repo's (fp32 on CPU: the "
                          "archive's own answers).")

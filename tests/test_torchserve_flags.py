@@ -29,7 +29,7 @@ REFUSED_IN_TORCHSERVE_MODE = [
     (["--queue-ms", "100"], "--queue-ms: ", "job_queue_size"),
     (["--model-control", "explicit"], "--model-control: ", "--enable-model-api"),
 ]
-REFUSED_WITH_REPOSITORY = [["--models", "all"], ["--enable-model-api"], ["--disable-token-auth"],
+REFUSED_WITH_REPOSITORY = [["--models", "all"], ["--enable-model-api"], ["--disable-token-auth"], ["--ncs"],
                            ["--precision", "fp16"], ["--engine", "torch"], ["--handler-path"], ["--trust-model-code"]]
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from server.torchserve.snapshots import models_of
+
 # TorchServe 0.12's defaults for the keys we honour (docs/configuration.md).
 DEFAULTS = {
     "inference_address": "http://127.0.0.1:8080",
@@ -21,7 +23,9 @@ HONOURED = {"inference_address", "management_address", "metrics_address", "model
             "enable_model_api", "default_workers_per_model", "max_request_size", "max_response_size",
             "job_queue_size", "disable_token_authorization", "default_response_timeout", "default_startup_timeout",
             "allowed_urls",
-            "max_workers_per_model", "max_pixels"}
+            "max_workers_per_model", "max_pixels", "model_snapshot"}
+# what TorchServe writes into its own snapshots about itself: read back without a word
+SNAPSHOT_ONLY = {"tsConfigFile", "version"}
 # serve-repo's own key (TorchServe has no bound): the most workers (classifier stubs) one model version may run, and
 # its decoder as many at most; an archive's minWorkers, models= and default_workers_per_model above it are clamped,
 # initial_workers / min_worker above it refused (400). Default: the CPU count, TorchServe's default_workers_per_model.
@@ -102,6 +106,8 @@ class Settings:
     # serve-repo's own key: the most pixels an image may claim, on the image and the handler path (None: build-repo's
     # 50 M; TorchServe's handlers decode up to PIL's 2 x 89,478,485 = 178,956,970, which an operator may set here)
     max_pixels: int | None = None
+    entries: dict[str, str] = field(default_factory=dict)  # the file as read (a snapshot's properties start from it)
+    snapshot: dict | None = None  # model_snapshot's registrations: name -> version -> state (server/torchserve/snapshots.py)
 
 
 def _bool(value: str) -> bool:
@@ -118,8 +124,9 @@ def _int(value: str, key: str, least: int = 0) -> int:
     return number
 
 
-def settings(path: Path | None) -> Settings:
-    """Settings from a config.properties file (None: TorchServe's defaults)."""
+def settings(path: Path | None, base: Path | None = None) -> Settings:
+    """Settings from a config.properties file (None: TorchServe's defaults); a relative model_store from `base`, else
+    from the file's folder."""
     result = Settings()
     if path is None:
         return result
@@ -133,7 +140,7 @@ def settings(path: Path | None) -> Settings:
     if entries.get("model_store"):
         result.model_store = Path(entries["model_store"]).expanduser()
         if not result.model_store.is_absolute():
-            result.model_store = Path(path).resolve().parent / result.model_store
+            result.model_store = (base or Path(path).resolve().parent) / result.model_store
     load = entries.get("load_models", "").strip()
     if load and load != "standalone":
         result.load_models = [item.strip() for item in load.split(",") if item.strip()]
@@ -166,5 +173,11 @@ def settings(path: Path | None) -> Settings:
                 re.compile(pattern)
             except re.error as exc:
                 raise PropertiesError(f"allowed_urls={pattern}: not a regular expression ({exc})") from None
-    result.unsupported = sorted(set(entries) - HONOURED)
+    if entries.get("model_snapshot"):  # TorchServe restores these registrations and ignores load_models
+        try:
+            result.snapshot = models_of(entries["model_snapshot"])
+        except ValueError as exc:
+            raise PropertiesError(f"model_snapshot=: {exc}") from None
+    result.entries = entries
+    result.unsupported = sorted(set(entries) - HONOURED - SNAPSHOT_ONLY)
     return result

@@ -18,21 +18,8 @@ from server.errors import ServerError
 from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, ArchiveProblem, build, downloaded, inspect,
                                         locate, prune, with_handler)
 from server.torchserve.naming import NAME, triton_base, triton_names
+from server.torchserve.replies import Conflict, NotFound  # noqa: F401 (imported from here by the API modules)
 from server.triton import TritonServer
-
-class Conflict(ValueError):
-    """TorchServe's 409: the model version is registered already."""
-
-
-class NotFound(KeyError):
-    """TorchServe's 404: no such model or version; str() is TorchServe's message, kind its exception's name."""
-
-    def __init__(self, message: str, kind: str = "ModelNotFoundException"):
-        super().__init__(message)
-        self.kind = kind
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 @dataclass
@@ -91,6 +78,7 @@ class Registry:
         self.defaults: dict[str, str] = {}  # name -> default version
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
         self._claims = threading.Lock()  # models and defaults changed (never held through a build)
+        self.changed = lambda: None  # after each change a client made: TorchServe's config snapshot (snapshots.py)
 
     # -- lookups (the inference API's, on every request: no lock, dict reads are atomic) --
     def find(self, name: str, version: str | None = None) -> Model:
@@ -116,10 +104,12 @@ class Registry:
 
     def claim(self, url: str, name: str | None = None, batch_size: int | None = None,
               max_batch_delay: int | None = None, workers: int | None = None, response_timeout: int = 120,
-              loaded_at_startup: bool = False, startup_timeout: int | None = None, handler: str | None = None) -> Model:
+              loaded_at_startup: bool = False, startup_timeout: int | None = None, handler: str | None = None,
+              restored: bool = False) -> Model:
         """A registration's first half, as TorchServe's: the archive found (or fetched) and read, the model known at
         once -- describe, list, scale and unregister find it -- and its workers to come with complete(). `workers`:
-        the API's initial_workers (0: none until scaled, as TorchServe), None at startup (default_workers_per_model)."""
+        the API's initial_workers (0: none until scaled, as TorchServe), None at startup (default_workers_per_model),
+        exactly that many where `restored` (a snapshot's; not the archive's minWorkers, as TorchServe's setModelState)."""
         path = locate(url, self.store, allowed_urls=self.allowed_urls)
         try:
             info = inspect(path, url)
@@ -133,7 +123,7 @@ class Registry:
                 delay = 100 if max_batch_delay is None else max_batch_delay
                 # TorchServe's order: the archive's minWorkers over initial_workers over default_workers_per_model
                 wanted = workers if workers is not None else self.default_workers or 1
-                count = self._bounded(info.min_workers or wanted, name, info.version)
+                count = self._bounded(wanted if restored else info.min_workers or wanted, name, info.version)
                 taken = set().union(*(triton_names(m.triton) for m in self.all()))
                 triton = triton_base(name, info.version, name not in self.models, taken)
                 if triton is None:
@@ -153,14 +143,16 @@ class Registry:
         unregisters a model whose workers failed to start."""
         try:
             with self._lock:
-                if self.models.get(model.name, {}).get(model.version) is not model or not model.workers:
-                    return  # unregistered meanwhile, or registered with 0 workers: none to start until scaled
-                self._start(model, model.version)
+                if self.models.get(model.name, {}).get(model.version) is not model:
+                    return  # unregistered meanwhile
+                if model.workers:  # registered with 0 workers: none to start until scaled
+                    self._start(model, model.version)
         except BaseException:
             with self._claims:
                 self._forget(model)
             self._drop_download(model.info.url, model.info.path)
             raise
+        self.changed()
 
     def _start(self, model: Model, named: str | None) -> None:
         """Build `model` (cached) and serve it with its workers within its startup_timeout, else TorchServe's 500
@@ -262,9 +254,8 @@ class Registry:
     def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
                       at_most: int | None = None, max_pixels: int | None = None) -> None:
         """`source` as served here: config.properties' `max_pixels` where given, `instances` (else as built, up to
-        `at_most`) of the first group's kind as that many groups of one, and no batch delay where not `wait`: a
-        request waits max_batch_delay once, as under TorchServe, in the classifier's batcher; the decoding model batches what queued while it was busy and waits
-        for nothing (with the delay in both, a prediction at concurrency 1 waited it twice)."""
+        `at_most`) of the first group's kind as that many groups of one, and no batch delay where not `wait`: a request
+        waits max_batch_delay once, as under TorchServe, in the classifier's batcher (in both, c=1 waited it twice)."""
         # N groups of one, as build-repo writes them: a dead stub is replaced alone
         target.write_text(to_text(served(read_config(source), instances, at_most, None if wait else 0,
                                          None if max_pixels is None else {"max_pixels": str(max_pixels)})))
@@ -273,31 +264,37 @@ class Registry:
         """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps
         answering with the old instances until the new ones are ready; nothing in flight is lost). 0: unloaded, the
         model still registered (TorchServe's 0 workers); from 0: built (cached) and loaded, as its registration."""
-        with self._lock:
-            if self.models.get(model.name, {}).get(model.version) is not model:
-                return  # unregistered while the scale waited (e.g. for its build)
-            if not model.members:
-                if model.workers:  # claimed, its build to come (synchronous=false): that build serves this many
-                    model.workers = workers
-                elif workers:  # registered or scaled to 0 workers: started now
-                    model.workers = workers
-                    try:
-                        self._start(model, named)
-                    except BaseException:
-                        model.workers = 0  # still registered, with none, as TorchServe after a failed scale
-                        raise
-                return
-            if not workers:
-                model.workers = 0
-                self._stop(model)
-                return
-            config = self.server.repository / model.triton / "config.pbtxt"
-            self._write_config(config, config, workers)
-            self.server.load(model.triton)
-            self.server.loaded_anew(model.triton)
-            model.workers = workers
-            if self.canary:
-                canary.run(self.server, [model.triton], model.members)  # a wrong answer: 500, as a failed reload
+        try:
+            with self._lock:
+                self._scale(model, workers, named)
+        finally:  # a failed start leaves it with 0 workers: that is the state to record
+            self.changed()
+
+    def _scale(self, model: Model, workers: int, named: str | None) -> None:
+        if self.models.get(model.name, {}).get(model.version) is not model:
+            return  # unregistered while the scale waited (e.g. for its build)
+        if not model.members:
+            if model.workers:  # claimed, its build to come (synchronous=false): that build serves this many
+                model.workers = workers
+            elif workers:  # registered or scaled to 0 workers: started now
+                model.workers = workers
+                try:
+                    self._start(model, named)
+                except BaseException:
+                    model.workers = 0  # still registered, with none, as TorchServe after a failed scale
+                    raise
+            return
+        if not workers:
+            model.workers = 0
+            self._stop(model)
+            return
+        config = self.server.repository / model.triton / "config.pbtxt"
+        self._write_config(config, config, workers)
+        self.server.load(model.triton)
+        self.server.loaded_anew(model.triton)
+        model.workers = workers
+        if self.canary:
+            canary.run(self.server, [model.triton], model.members)  # a wrong answer: 500, as a failed reload
 
     def unregister(self, model: Model) -> None:
         """Forget `model` at once (new requests: 404); Triton unloads it after what it holds is answered."""
@@ -307,6 +304,7 @@ class Registry:
             self._stop(model)
             if (fetched := downloaded(model.info.url, self.store)) is not None:
                 fetched.unlink(missing_ok=True)  # as TorchServe 0.12: a downloaded archive leaves with its model
+        self.changed()
 
     def _stop(self, model: Model) -> None:
         """`model`'s Triton models unloaded once what the front sent on is answered (new requests: 503 or 404)."""
@@ -343,4 +341,5 @@ class Registry:
     def set_default(self, model: Model) -> None:
         with self._lock:
             self.defaults[model.name] = model.version
+        self.changed()
 

@@ -10,6 +10,22 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import Response
 
+
+class Conflict(ValueError):
+    """TorchServe's 409: the model version is registered already."""
+
+
+class NotFound(KeyError):
+    """TorchServe's 404: no such model or version; str() is TorchServe's message, kind its exception's name."""
+
+    def __init__(self, message: str, kind: str = "ModelNotFoundException"):
+        super().__init__(message)
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 # The exception names TorchServe's frontend puts in "type", by status.
 ERROR_TYPES = {400: "BadRequestException", 401: "TokenAuthorizationException", 404: "ModelNotFoundException",
                405: "MethodNotAllowedException", 409: "ConflictStatusException", 413: "RequestEntityTooLarge",

@@ -14,6 +14,7 @@ import uvicorn
 from common.procs import port_free
 from server.errors import ServerError
 from server.supervisor import Supervisor
+from server.torchserve import snapshots
 from server.torchserve.archives import ArchiveProblem
 from server.torchserve.bounded_http import BoundedHttpToolsProtocol
 from server.torchserve.inference import Inference
@@ -30,26 +31,42 @@ from server.triton import TritonServer
 TRUST = ("--trust-model-code",)
 
 
-def configure(args) -> Settings:
-    """config.properties, then the command line over it (as torchserve's flags go over its file)."""
-    result = read_settings(args.torchserve_config)
+def configure(args, log=print) -> Settings:
+    """config.properties (none given: the newest snapshot, as TorchServe's ConfigManager, unless --ncs), then the
+    command line over it (as torchserve's flags go over its file). `entries`: the configuration snapshots record."""
+    path = args.torchserve_config
+    if path is None and not args.ncs and (path := snapshots.latest(snapshots.folder())) is not None:
+        log(f"no config file given: starting from the last snapshot, {path}")
+    # a snapshot's relative model_store is the working directory's (as TorchServe's), a config file's its folder's
+    result = read_settings(path, base=None if path is args.torchserve_config else Path.cwd())
+    overrides = {}
     if args.model_store:
         result.model_store = args.model_store
     if args.models:
         result.load_models = [item for entry in args.models for item in entry.split(",") if item]
+        overrides["load_models"] = ",".join(args.models)
     if args.enable_model_api:
         result.enable_model_api = True
+        overrides["enable_model_api"] = "true"
     if args.disable_token_auth:
         result.token_auth = False
+        overrides["disable_token_authorization"] = "true"
     if result.model_store is None:
         raise PropertiesError("no model store: give --model-store DIR or model_store= in config.properties")
     if not result.model_store.is_dir():
         raise PropertiesError(f"model store {result.model_store} is not a directory")
+    result.entries = {**{k: v for k, v in result.entries.items() if k != "model_snapshot"}, **overrides,
+                      "model_store": str(result.model_store.resolve()),
+                      **({"tsConfigFile": str(path)} if path is not None else {})}
     return result
 
 
 def startup_models(config: Settings, store: Path) -> list[tuple[str | None, str, dict]]:
-    """(name or None, archive file, models= settings) for load_models: all, file.mar, name=file.mar."""
+    """(name or None, archive file, models= settings) for load_models: all, file.mar, name=file.mar; with a
+    model_snapshot, its registrations instead (every version, its state), as TorchServe restores them."""
+    if config.snapshot is not None:
+        return [(name, state["marName"], state) for name, versions in config.snapshot.items()
+                for state in versions.values()]
     wanted = []
     for item in config.load_models:
         if item == "all":
@@ -70,20 +87,26 @@ def startup_models(config: Settings, store: Path) -> list[tuple[str | None, str,
 
 
 def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> None:
+    restoring = config.snapshot is not None  # a snapshot's workers exactly (0 too), its default versions
     for name, file, extra in startup_models(config, store):
         try:
             model = registry.register(file, name, extra.get("batchSize"), extra.get("maxBatchDelay"),
-                                      extra.get("minWorkers"), extra.get("responseTimeout", config.response_timeout),
-                                      loaded_at_startup=True)
-            log(f'loaded {model.name} {model.version} from {file}: batch_size {model.batch_size}, max_batch_delay '
-                f'{model.max_batch_delay} ms, {model.workers} worker(s)')
+                                      extra.get("minWorkers"), extra.get("responseTimeout") or config.response_timeout,
+                                      loaded_at_startup=not restoring, startup_timeout=extra.get("startupTimeout"),
+                                      restored=restoring)
+            if restoring and extra.get("defaultVersion"):
+                registry.set_default(model)
+            log(f'{"restored" if restoring else "loaded"} {model.name} {model.version} from {file}: batch_size '
+                f'{model.batch_size}, max_batch_delay {model.max_batch_delay} ms, {model.workers} worker(s)')
         except (ArchiveProblem, Conflict, ServerError) as exc:  # as TorchServe: the others still load
             log(f"serve-repo: could not load {file}: {exc}")
 
 
 def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     try:
-        config = configure(args)
+        config = configure(args, log)
+        if config.snapshot is not None and (problem := snapshots.missing(config.snapshot, config.model_store)):
+            raise PropertiesError(f"model_snapshot: {problem}")  # TorchServe's InvalidSnapshotException: no start
     except PropertiesError as exc:
         log(f"serve-repo: error: {exc}", error=True)
         return 2
@@ -122,6 +145,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     registry.allowed_urls = config.allowed_urls
     registry.max_pixels = config.max_pixels
     registry.startup_timeout = config.startup_timeout
+    if config.snapshot is not None:
+        log(f"restoring the {sum(map(len, config.snapshot.values()))} registration(s) of its model_snapshot")
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
@@ -148,8 +173,15 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
         + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on {server.http_url}, "
         f"metrics {server.metrics_url}, no TCP port, gRPC off, log {server.log_file})")
+    saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log)
+    if saved is not None:  # as TorchServe: once started, after each change a client makes, at the stop
+        log(f"config snapshots: {saved.save('startup')}")
+        registry.changed = lambda: saved.save("snapshot")
     status = supervisor.run(stop)
     front.stop()
+    if saved is not None:
+        registry.changed = lambda: None
+        saved.save("shutdown")
     server.stop(keep_log=bool(status))
     shutil.rmtree(repository, ignore_errors=True)
     if status:
