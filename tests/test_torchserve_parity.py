@@ -100,7 +100,7 @@ def described_apart(mine: dict, reference: dict) -> str | None:
     theirs = reference["paths"]
     for path, operations in mine["paths"].items():
         if path not in theirs:
-            if "explain" not in path:
+            if not path.startswith("/explanations/") and not path.endswith("explain"):
                 return f"{path}: not in TorchServe's"
             continue
         for method, operation in operations.items():
