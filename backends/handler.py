@@ -1,4 +1,5 @@
-"""-> NAME/1/model.py for a TorchServe archive's handler: its handle() once per batch Triton formed.
+"""-> NAME/1/model.py for a TorchServe archive's handler: its handle() once per batch Triton formed (its
+explanations, requests whose "explain" header is "True", in a handle() call of their own).
 
 The archive is unpacked in archive/ beside this file (its own model.py cannot clash with this one). Each
 request's BODY (one BYTES element) is one TorchServe request item; RESPONSE and CONTENT_TYPE carry its answer,
@@ -17,6 +18,7 @@ import ts_worker
 from contract import BODY, CONTENT_TYPE, RESPONSE, STATUS, STATUS_PARAMETER
 
 ARCHIVE_DIR = "archive"
+EXPLAIN = "explain"  # the header TorchServe's frontend sets: "True" for an explanation
 
 
 class TritonPythonModel:
@@ -49,7 +51,8 @@ class TritonPythonModel:
             report(f"the handler's model runs on eager PyTorch: {why_not}", False)
 
     def execute(self, requests):
-        responses, items, owners, as_status = [None] * len(requests), [], [], [False] * len(requests)
+        responses, as_status = [None] * len(requests), [False] * len(requests)
+        groups: dict[bool, tuple[list, list[int]]] = {}  # explanation or not: (request items, their indexes)
         for index, request in enumerate(requests):
             body = pb_utils.get_input_tensor_by_name(request, BODY).as_numpy().reshape(-1)
             if body.size != 1:
@@ -60,13 +63,17 @@ class TritonPythonModel:
             headers = _headers(request)
             as_status[index] = headers.pop(STATUS_PARAMETER, None) is not None
             try:
-                items.append(ts_worker.request_item(value, headers))
+                item = ts_worker.request_item(value, headers)
             except ts_worker.Refused as exc:  # this request alone: its neighbours go to handle() without it
                 failed = ts_worker.Answer(error=exc.reason, status=exc.status)
                 responses[index] = _answer(failed, as_status[index], invalid=True)
                 continue
-            owners.append(index)
-        if items:
+            # Explanations apart from predictions: BaseHandler reads the first request's "explain" header for all
+            # (under TorchServe a prediction batched behind an explanation gets an explanation).
+            group = groups.setdefault(headers.get(EXPLAIN) == "True", ([], []))
+            group[0].append(item)
+            group[1].append(index)
+        for items, owners in groups.values():
             answers = ts_worker.predict(self.service, items)
             for failure in sorted({answer.failure() for answer in answers if answer.error is not None}):
                 pb_utils.Logger.log_warn(f"{self.name}: {failure}")  # the reason, which TorchServe's answer omits

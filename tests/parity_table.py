@@ -4,13 +4,16 @@ front (the same store: r18 1.0 loaded at start, r18 2.0 in r18-v2.mar, other 1.0
 A row: (method, path with its query, body, compare). body: None, "photo", "empty", "text", or JSON text (sent as
 application/json). compare: "bytes" (status and body byte for byte), "json" (status, then the JSON's keys and value
 types: timestamps, pids, probabilities), "status" (the status alone: TorchServe's body is not deterministic), or
-"wait" (not compared: both are polled until the model's workers are READY), or a difference listed in
-docs/migrating.md: "differs: REASON" (REASON is a phrase of that page)."""
+"wait" (not compared: both are polled until the model's workers are READY), "openapi" (an OpenAPI document whose
+paths, methods, operations and parameters are TorchServe's or fewer; explanation paths may be added), or a
+difference listed in docs/migrating.md: "differs: REASON" (REASON is a phrase of that page)."""
 from __future__ import annotations
 
 NOT_AN_ARCHIVE = "differs: says which file is not an archive"
 REFUSED = "differs: 400 naming the value"
-NO_DESCRIPTION = "differs: no OpenAPI description"
+NO_MODEL_DESCRIPTION = "differs: no per-model OpenAPI description"
+IMAGE_EXPLANATION = "differs: the image path runs no handler"
+VALUES = '{"values": [1, 2, 3]}'  # expl.mar's handler: predictions sum them, explanations double each
 NEGATIVE_WORKERS = "differs: a worker count is 0 or more"
 ROWS: list[tuple[str, str, str | None, str]] = [
     # -- the inference API --
@@ -98,8 +101,16 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("POST", "m:/models?url=r18.mar&batch_size=0", None, REFUSED),
     ("POST", "m:/models?url=r18.mar&max_batch_delay=-1", None, REFUSED),
     ("POST", "m:/models?url=r18.mar&response_timeout=0", None, REFUSED),
-    ("OPTIONS", "m:/", None, NO_DESCRIPTION),
-    ("OPTIONS", "i:/", None, NO_DESCRIPTION),
+    # -- the API description: OPTIONS / (and the deprecated /api-description), any other method on / 405 --
+    ("OPTIONS", "m:/", None, "openapi"),
+    ("OPTIONS", "i:/", None, "openapi"),
+    ("GET", "m:/api-description", None, "openapi"),
+    ("POST", "i:/api-description", None, "openapi"),
+    ("GET", "i:/", None, "bytes"),
+    ("POST", "m:/", None, "bytes"),
+    ("OPTIONS", "i:/ping", None, "bytes"),
+    ("OPTIONS", "i:/predictions/r18", None, NO_MODEL_DESCRIPTION),
+    ("OPTIONS", "m:/models/r18", None, NO_MODEL_DESCRIPTION),
     ("POST", "m:/models?url=bad%20name.mar", None, "bytes"),
     ("POST", "m:/models?url=file:///etc/passwd", None, NOT_AN_ARCHIVE),
     ("PUT", "m:/models", None, "bytes"),
@@ -227,5 +238,27 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("GET", "m:/models/slow", None, "bytes"),
     ("POST", "m:/models?url=other.mar&model_name=slow&startup_timeout=0&initial_workers=0", None, "bytes"),
     ("DELETE", "m:/models/slow", None, "bytes"),
+    # -- explanations: a custom handler's explain_handle, TorchServe's paths and KServe's --
+    ("POST", "m:/models?url=expl.mar&initial_workers=1&synchronous=true", None, "bytes"),
+    ("POST", "i:/explanations/expl", VALUES, "bytes"),
+    ("PUT", "i:/explanations/expl/1.0", VALUES, "bytes"),
+    ("POST", "i:/explanations/expl/", VALUES, "bytes"),
+    ("POST", "i:/predictions/expl", VALUES, "bytes"),
+    ("POST", "i:/explanations/expl/9.9", VALUES, "bytes"),
+    ("POST", "i:/explanations/nope", VALUES, "bytes"),
+    ("POST", "i:/explanations", VALUES, "bytes"),
+    ("POST", "i:/explanations/expl", "empty", "bytes"),
+    ("GET", "i:/explanations/expl", None, "bytes"),
+    ("POST", "i:/explanations/expl", "text", "bytes"),
+    ("POST", "i:/v1/models/expl:explain", VALUES, "bytes"),
+    ("POST", "i:/v1/models/expl:predict", VALUES, "bytes"),
+    ("POST", "i:/v1/models/nope:explain", VALUES, "bytes"),
+    ("POST", "i:/v1/models/expl", VALUES, "bytes"),
+    ("POST", "i:/v2/models/expl/explain", VALUES, "bytes"),
+    ("POST", "i:/v2/models/expl/infer", VALUES, "bytes"),
+    ("POST", "i:/explanations/r18", "photo", IMAGE_EXPLANATION),
+    ("POST", "i:/v1/models/r18:predict", "photo", "json"),
+    ("DELETE", "m:/models/expl", None, "bytes"),
+    ("POST", "i:/explanations/expl", VALUES, "bytes"),
     ("GET", "i:/ping", None, "bytes"),
 ]

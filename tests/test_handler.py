@@ -193,15 +193,20 @@ def test_served_answers_equal_the_handler_in_process_when_sent_one_at_a_time(mad
     assert _infer(client, "text", b"hello") == (b"HELLO", "text/plain; charset=utf-8")
 
 
-def test_concurrent_requests_reach_handle_as_one_list_when_sent_together(repository, start_server):
-    server = start_server(repository)
-    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+def _together(server, model: str, parameters: list[dict]) -> list[dict]:
+    """Request i ({"values": [i]}, with parameters[i]) sent at once, each answer's JSON in order."""
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=len(parameters))
     pending = []
-    for index in range(8):
+    for index, extra in enumerate(parameters):
         data = httpclient.InferInput("BODY", [1, 1], "BYTES")
         data.set_data_from_numpy(np.array([[json.dumps({"values": [index]}).encode()]], dtype=np.object_))
-        pending.append(client.async_infer("jsonsum", [data]))
-    answers = [json.loads(p.get_result().as_numpy("RESPONSE")[0][0]) for p in pending]
+        pending.append(client.async_infer(model, [data], parameters=extra or None))
+    return [json.loads(p.get_result().as_numpy("RESPONSE")[0][0]) for p in pending]
+
+
+def test_concurrent_requests_reach_handle_as_one_list_when_sent_together(repository, start_server):
+    server = start_server(repository)
+    answers = _together(server, "jsonsum", [{} for _ in range(8)])
     assert [answer["sum"] for answer in answers] == [3 * index for index in range(8)]  # each its own answer
     assert max(answer["batch"] for answer in answers) > 1, answers
 
@@ -340,3 +345,41 @@ def test_a_killed_handler_stub_is_replaced_by_the_supervisor_and_answers_again(m
         assert next(s for s in stubs_of(serve.triton_pid) if s.model == "text" and s.alive).pid != stub.pid
     finally:
         serve.stop()
+
+
+# Predictions sum "values"; explanations (the "explain" header "True") double each; both say the batch they were in.
+EXPLAINING_HANDLER = '''
+import json
+
+from ts.torch_handler.base_handler import BaseHandler
+
+
+class Explaining(BaseHandler):
+    def initialize(self, context):
+        self.initialized = True
+
+    def preprocess(self, data):
+        return [json.loads(row.get("body")) for row in data]
+
+    def inference(self, rows):
+        return [{"sum": sum(row["values"]), "batch": len(rows)} for row in rows]
+
+    def postprocess(self, answers):
+        return answers
+
+    def explain_handle(self, rows, raw_data):
+        return [{"weights": [v * 2 for v in row["values"]], "batch": len(rows)} for row in rows]
+'''
+
+
+def test_explanations_and_predictions_batched_together_each_get_their_own_kind_when_sent_at_once(tmp_path,
+                                                                                                  start_server):
+    """TorchServe's BaseHandler reads the first request's "explain" header for the whole batch; the stub calls
+    handle() once for the explanations and once for the predictions of a batch Triton formed."""
+    repository = tmp_path / "repo"
+    _build(_archive(tmp_path, "explaining", EXPLAINING_HANDLER, config=BATCHING), repository)
+    server = start_server(repository)
+    answers = _together(server, "explaining", [{"explain": str(index % 2 == 1)} for index in range(8)])
+    assert [answer.get("weights", answer.get("sum")) for answer in answers] == \
+        [[2 * index] if index % 2 else index for index in range(8)]
+    assert max(answer["batch"] for answer in answers) > 1, answers  # batched, yet each got its own kind

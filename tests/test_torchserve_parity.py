@@ -15,7 +15,32 @@ from parity_table import ROWS
 from perf import torchserve
 from perf.serve import TorchServeFront
 from support import ROOT
+from test_handler import _archive
 from test_torchserve_api import call
+
+# expl.mar's handler: TorchServe's BaseHandler with a deterministic explain_handle (each value doubled)
+EXPLAINED_HANDLER = '''
+import json
+from ts.torch_handler.base_handler import BaseHandler
+
+
+class Explained(BaseHandler):
+    def initialize(self, context):
+        self.initialized = True
+
+    def preprocess(self, data):
+        rows = [row.get("data") or row.get("body") for row in data]
+        return [json.loads(row) if isinstance(row, (bytes, bytearray)) else row for row in rows]
+
+    def inference(self, rows):
+        return [{"sum": sum(row["values"])} for row in rows]
+
+    def postprocess(self, answers):
+        return answers
+
+    def explain_handle(self, rows, raw_data):
+        return [{"weights": [value * 2 for value in row["values"]]} for row in rows]
+'''
 
 PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
 BODIES = {"photo": PHOTO.read_bytes(), "empty": b"", "text": b"hello"}
@@ -65,12 +90,39 @@ def shape(value):
     return type(value).__name__
 
 
+def described_apart(mine: dict, reference: dict) -> str | None:
+    """Where our OpenAPI document is not TorchServe's or fewer: its version and top-level keys, then per path the
+    methods, each operation's keys (TorchServe's; "deprecated" where TorchServe's is) and its parameters' names.
+    Paths TorchServe does not list are our explanation paths alone (TorchServe serves them, undocumented)."""
+    if mine.get("openapi") != reference.get("openapi") or shape(mine)["info"] != shape(reference)["info"] or \
+            set(mine) != set(reference):
+        return "openapi version, info or top-level keys"
+    theirs = reference["paths"]
+    for path, operations in mine["paths"].items():
+        if path not in theirs:
+            if not path.startswith("/explanations/") and not path.endswith("explain"):
+                return f"{path}: not in TorchServe's"
+            continue
+        for method, operation in operations.items():
+            if method not in theirs[path]:
+                return f"{method} {path}: not in TorchServe's"
+            reference_operation = theirs[path][method]
+            if set(operation) - set(reference_operation):
+                return f"{method} {path}: keys {sorted(set(operation) - set(reference_operation))}"
+            names = {param["name"] for param in reference_operation.get("parameters", [])}
+            if extra := {param["name"] for param in operation.get("parameters", [])} - names:
+                return f"{method} {path}: parameters {sorted(extra)}"
+    return None
+
+
 def different(compare: str, ours: tuple[int, bytes], theirs: tuple[int, bytes]) -> str | None:
     """Why `ours` is not `theirs` under `compare`; None: the same."""
     if compare == "wait":
         return None
     if ours[0] != theirs[0]:
         return f"status {ours[0]} != {theirs[0]}"
+    if compare == "openapi":
+        return described_apart(json.loads(ours[1]), json.loads(theirs[1]))
     if compare == "bytes" and ours[1] != theirs[1]:
         return "body"
     if compare == "json":
@@ -84,7 +136,8 @@ def different(compare: str, ours: tuple[int, bytes], theirs: tuple[int, bytes]) 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    """r18 1.0 and 2.0 (r18-v2.mar) and other 1.0: small resnet18 archives; junk.mar is none."""
+    """r18 1.0 and 2.0 (r18-v2.mar) and other 1.0: small resnet18 archives; junk.mar is none; expl.mar a custom
+handler's, with explanations."""
     folder = tmp_path_factory.mktemp("parity") / "model_store"
     for name, version, file in (("r18", "1.0", "r18"), ("r18", "2.0", "r18-v2"), ("other", "1.0", "other")):
         made = torchserve.resnet_archive(folder / file, name, None, None, None, arch="resnet18", fc_scale=0.01,
@@ -92,6 +145,7 @@ def store(tmp_path_factory) -> Path:
         made.rename(folder / f"{file}.mar")
         shutil.rmtree(made.parent)
     (folder / "junk.mar").write_text("hello\n")
+    _archive(folder.parent / "expl", "expl", EXPLAINED_HANDLER).rename(folder / "expl.mar")
     return folder
 
 

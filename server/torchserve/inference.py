@@ -1,5 +1,6 @@
 """TorchServe's inference API on Triton: /ping, and /predictions/NAME[/VERSION] answered as TorchServe's
-image_classifier handler answers (its top 5 as one JSON object), the image sent to Triton's NAME_image as bytes."""
+image_classifier handler answers (its top 5 as one JSON object), the image sent to Triton's NAME_image as bytes;
+/explanations/NAME[/VERSION] (and KServe's :explain) by a handler's explain_handle; OPTIONS / its description."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from common.contract import BODY, CONTENT_TYPE, IMAGE_BYTES, LOGITS, RESPONSE, STATUS, STATUS_PARAMETER
 from common.messages import first_line
+from server.torchserve import openapi
 from server.torchserve.registry import NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply, too_large
 from server.unix_http import aio_client
@@ -26,6 +28,7 @@ TOP_K = 5  # ImageClassifier.topk
 PREDICTION_FAILED = "Prediction failed"
 DISCARD_BYTES = 64 << 20
 # Headers not handed to a handler (TorchServe hands it the rest): the token, and what only the connection means.
+EXPLAIN = "explain"  # the request header TorchServe's BaseHandler reads: "True" for an explanation
 NOT_FORWARDED = {"authorization", "host", "connection", "content-length", "transfer-encoding", "expect",
                  "keep-alive", "upgrade"}
 
@@ -103,20 +106,23 @@ class Inference:
                 return reply({"status": "Unhealthy"}, 500)
         return reply({"status": "Healthy"})
 
-    async def predict(self, request: Request) -> Response:
+    async def predict(self, request: Request, explain: bool = False) -> Response:
         params = request.path_params
         try:
-            model = self.registry.find(params["model_name"], params.get("version"))
+            model = self.registry.find(params["model_name"], params.get("model_version"))
         except NotFound as exc:
             return error(404, str(exc), exc.kind)
         # Counted from here, so that an unregistering waits for this request (Registry.unregister).
         model.pending += 1
         try:
-            return await self._predict(request, model)
+            return await self._predict(request, model, explain)
         finally:
             model.pending -= 1
 
-    async def _predict(self, request: Request, model) -> Response:
+    async def explanations(self, request: Request) -> Response:
+        return await self.predict(request, explain=True)
+
+    async def _predict(self, request: Request, model, explain: bool) -> Response:
         try:
             payload = await body_of(request, self.max_request_size)
         except TooLarge:
@@ -127,11 +133,11 @@ class Inference:
             return error(503, PREDICTION_FAILED, "InternalServerException")
         model.queued += 1
         try:
-            return await self._queued(model, payload, request)
+            return await self._queued(model, payload, request, explain)
         finally:
             model.queued -= 1
 
-    async def _queued(self, model, payload: bytes, request: Request) -> Response:
+    async def _queued(self, model, payload: bytes, request: Request, explain: bool) -> Response:
         # TorchServe's job queue: job_queue_size requests may wait beyond those its workers hold (a batch each);
         # past that, 503 at once. Counted here, once a request's body is read (as TorchServe queues a request it
         # has received whole: slow bodies do not fill it), not by a Triton queue policy, which would bring back its
@@ -141,15 +147,21 @@ class Inference:
                               "workers API to add workers. If this is a sequence inference, please check if it is "
                               "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")
         if model.handler:
-            return await self._handled(model, payload, request.headers)
+            return await self._handled(model, payload, request.headers, explain)
+        if explain:  # no handler runs on the image path: TorchServe's answer for a handler without explanations
+            self.log(f"explanation failed for {model.name}: its image path runs no handler (serve-repo "
+                     "--handler-path serves the archive's image_classifier, whose explain_handle answers)")
+            return error(503, PREDICTION_FAILED, "InternalServerException")
         return await self._infer(model, payload)
 
-    async def _handled(self, model, payload: bytes, headers) -> Response:
+    async def _handled(self, model, payload: bytes, headers, explain: bool) -> Response:
         """The archive's own handler (a custom handler's archive): the body to its BODY, its answer as it made it,
-        the request's headers as TorchServe hands them to a handler; its failure as TorchServe's worker reports it."""
+        the request's headers as TorchServe hands them to a handler (with its "explain" header: the handler's
+        explain_handle answers where "True"); its failure as TorchServe's worker reports it."""
         tensor = aioclient.InferInput(BODY, [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
         forwarded = {key: value for key, value in headers.items() if key not in NOT_FORWARDED}
+        forwarded.update({"url_path": "", EXPLAIN: str(explain)})  # TorchServe's frontend sets both over the client's
         try:  # with STATUS_PARAMETER the handler's failures come back as STATUS, never as a Triton error
             result = await self.client.infer(model.entry, [tensor], parameters={**forwarded, STATUS_PARAMETER: "1"},
                                              outputs=[aioclient.InferRequestedOutput(name)
@@ -195,9 +207,15 @@ class Inference:
     def app(self) -> Starlette:
         # TorchServe answers /ping and predictions whatever the method (a GET is a prediction with no body: 503)
         methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
-        return Starlette(routes=[
-            Route("/ping", self.ping, methods=methods),
-            Route("/predictions/{model_name}", self.predict, methods=methods),
-            Route("/predictions/{model_name}/", self.predict, methods=methods),  # the default version
-            Route("/predictions/{model_name}/{version}", self.predict, methods=methods),
-        ], lifespan=self.lifespan, exception_handlers=HANDLERS)
+        routes = [Route("/ping", self.ping, methods=[*methods, "OPTIONS"])]  # TorchServe's answers OPTIONS too
+        for kind, answer in (("predictions", self.predict), ("explanations", self.explanations)):
+            routes += [Route(f"/{kind}/{{model_name}}", answer, methods=methods),
+                       Route(f"/{kind}/{{model_name}}/", answer, methods=methods),  # the default version
+                       Route(f"/{kind}/{{model_name}}/{{model_version}}", answer, methods=methods)]
+        # KServe's paths, which TorchServe 0.12's inference API answers as predictions and explanations
+        routes += [Route("/v1/models/{model_name}:predict", self.predict, methods=methods),
+                   Route("/v1/models/{model_name}:explain", self.explanations, methods=methods),
+                   Route("/v2/models/{model_name}/infer", self.predict, methods=methods),
+                   Route("/v2/models/{model_name}/explain", self.explanations, methods=methods)]
+        return Starlette(routes=[*routes, *openapi.routes("inference")], lifespan=self.lifespan,
+                         exception_handlers=HANDLERS)

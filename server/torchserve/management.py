@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from server.errors import ServerError
+from server.torchserve import openapi
 from server.torchserve.archives import ArchiveProblem
 from server.torchserve.registry import Conflict, Model, NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply
@@ -198,7 +199,7 @@ class Management:
         return reply(body)
 
     def _selected(self, request: Request) -> list[Model]:
-        name, version = request.path_params["model_name"], request.path_params.get("version")
+        name, version = request.path_params["model_name"], request.path_params.get("model_version")
         if version == "all":
             self.registry.find(name)
             return list(self.registry.models[name].values())
@@ -234,7 +235,7 @@ class Management:
 
     async def scale(self, request: Request) -> Response:
         params, log = await _params(request), self.registry.log
-        model = self.registry.find(request.path_params["model_name"], request.path_params.get("version"))
+        model = self.registry.find(request.path_params["model_name"], request.path_params.get("model_version"))
         # As TorchServe 0.12, with the model API off too (it refuses registering and unregistering only); what runs
         # is min_worker (Triton keeps a fixed instance count), so min_worker is what max_workers_per_model bounds.
         low = _int(params, "min_worker", 1, log)
@@ -244,7 +245,7 @@ class Management:
         if low < 0:  # TorchServe 0.12 fails it (500, an IndexOutOfBoundsException of its own)
             return error(500, f"Invalid min_worker: {low}: a worker count is 0 or more", "InternalServerException")
         _bounded("min_worker", low, self.registry.max_workers)
-        version = request.path_params.get("version")
+        version = request.path_params.get("model_version")
         if not _bool(params, "synchronous", False, log):
             self._background(self.registry.scale, model, low, version)
             return reply({"status": "Processing worker updates..."}, 202)
@@ -255,16 +256,16 @@ class Management:
     async def unregister(self, request: Request) -> Response:
         if not self.enable_model_api:
             return self._model_api_off()
-        model = self.registry.find(request.path_params["model_name"], request.path_params.get("version"))
+        model = self.registry.find(request.path_params["model_name"], request.path_params.get("model_version"))
         versions = self.registry.models.get(model.name, {})
-        if request.path_params.get("version") and len(versions) > 1 and \
+        if request.path_params.get("model_version") and len(versions) > 1 and \
                 self.registry.defaults.get(model.name) == model.version:
             return error(403, f"Cannot remove default version for model {model.name}", "InvalidModelVersionException")
         await self._change(self.registry.unregister, model)
         return reply({"status": f'Model "{model.name}" unregistered'})
 
     async def set_default(self, request: Request) -> Response:
-        name, version = request.path_params["model_name"], request.path_params["version"]
+        name, version = request.path_params["model_name"], request.path_params["model_version"]
         self.registry.find(name)
         if version not in self.registry.models.get(name, {}):  # TorchServe's words here: no colons
             raise NotFound(f"Model version {version} does not exist for model {name}", "ModelVersionNotFoundException")
@@ -285,11 +286,12 @@ class Management:
             Route("/models/{model_name}", guarded(self.describe), methods=["GET"]),
             Route("/models/{model_name}", guarded(self.scale), methods=["PUT"]),
             Route("/models/{model_name}", guarded(self.unregister), methods=["DELETE"]),
-            Route("/models/{model_name}/{version}", guarded(self.describe), methods=["GET"]),
-            Route("/models/{model_name}/{version}", guarded(self.scale), methods=["PUT"]),
-            Route("/models/{model_name}/{version}", guarded(self.unregister), methods=["DELETE"]),
-            Route("/models/{model_name}/{version}/set-default", guarded(self.set_default), methods=["PUT"]),
+            Route("/models/{model_name}/{model_version}", guarded(self.describe), methods=["GET"]),
+            Route("/models/{model_name}/{model_version}", guarded(self.scale), methods=["PUT"]),
+            Route("/models/{model_name}/{model_version}", guarded(self.unregister), methods=["DELETE"]),
+            Route("/models/{model_name}/{model_version}/set-default", guarded(self.set_default), methods=["PUT"]),
             # TorchServe reads no further than the version for the other methods
-            Route("/models/{model_name}/{version}/set-default", guarded(self.describe), methods=["GET"]),
-            Route("/models/{model_name}/{version}/set-default", guarded(self.unregister), methods=["DELETE"]),
+            Route("/models/{model_name}/{model_version}/set-default", guarded(self.describe), methods=["GET"]),
+            Route("/models/{model_name}/{model_version}/set-default", guarded(self.unregister), methods=["DELETE"]),
+            *openapi.routes("management"),
         ], exception_handlers=HANDLERS)

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
+from server.torchserve import openapi
 from server.torchserve.registry import Registry
 from server.torchserve.replies import HANDLERS
 from server.unix_http import aio_client, get
@@ -74,4 +75,5 @@ class Metrics:
             return ""
 
     def app(self) -> Starlette:
-        return Starlette(routes=[Route("/metrics", self.metrics, methods=["GET"])], exception_handlers=HANDLERS)
+        return Starlette(routes=[Route("/metrics", self.metrics, methods=["GET"]), *openapi.routes("metrics")],
+                         exception_handlers=HANDLERS)

@@ -51,6 +51,11 @@ def too_large() -> Response:
     return Response(b"", 413)  # TorchServe's frontend answers an over-size body with an empty 413
 
 
+# Answered before any token check, as TorchServe's ApiDescriptionRequestHandler comes first in its chain: the API
+# description (OPTIONS /, /api-description) and the 405 for another method on /.
+UNGUARDED = ("/", "/api-description")
+
+
 class Tokens:
     """TorchServe >= 0.11's token authorization: key_file.json in the working directory holds an inference and a
     management key (and the API key TorchServe renews them with); every request to an API, /ping and unknown paths
@@ -79,7 +84,8 @@ class Tokens:
     def guard(self, app, api: str):
         """`app` behind the `api` key (an ASGI wrapper: nothing of the request is read before the check)."""
         async def guarded(scope, receive, send):
-            if scope["type"] == "http" and not self.allowed(dict(scope["headers"]), api):
+            if scope["type"] == "http" and scope["path"] not in UNGUARDED and \
+                    not self.allowed(dict(scope["headers"]), api):
                 response = error(400, "Token Authorization failed. Token either incorrect, expired, or not provided "
                                       "correctly", "InvalidKeyException")
                 return await response(scope, receive, send)
