@@ -112,9 +112,9 @@ class ServeRepo:
 
 class TorchServeFront(ServeRepo):
     """`python -m server.cli --torchserve-config FILE` as a TorchServe user starts it: FILE is written with free
-    inference, management and metrics ports and `properties` (model_store=..., load_models=..., ...). `config=False`:
-    no config file (TorchServe's rule: the newest snapshot in FOLDER/logs/config is the configuration), `ports` those
-    it names (a stopped front's)."""
+    inference, management, metrics and gRPC ports (grpc_ports) and `properties` (model_store=..., load_models=...).
+    `config=False`: no config file (TorchServe's rule: the newest snapshot in FOLDER/logs/config is the
+    configuration), `ports` those it names (a stopped front's)."""
 
     def __init__(self, folder: Path, *flags: str, timeout: float = 600, config: bool = True,
                  ports: list[int] | None = None, **properties: str):
@@ -124,6 +124,10 @@ class TorchServeFront(ServeRepo):
         self.inference_url, self.management_url, self.metrics_url = (f"http://127.0.0.1:{p}" for p in self.ports)
         addresses = {"inference_address": self.inference_url, "management_address": self.management_url,
                      "metrics_address": self.metrics_url}
+        # its gRPC ports too (7070/7071 by default, as TorchServe's): free ones, unless `properties` names them
+        self.grpc_ports = [int(properties.get(f"grpc_{api}_port") or free_port())
+                           for api in ("inference", "management")]
+        addresses.update(grpc_inference_port=str(self.grpc_ports[0]), grpc_management_port=str(self.grpc_ports[1]))
         self.config = folder / "config.properties"
         if config:
             self.config.write_text("".join(f"{k}={v}\n" for k, v in {**addresses, **properties}.items()))

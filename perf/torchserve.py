@@ -93,8 +93,9 @@ def resnet_archive(store: Path, name: str, batch_size: int | None, delay_ms: int
     return store / f"{name}.mar"
 
 
-def _get_json(url: str, timeout: float = 5):
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
+def _get_json(url: str, timeout: float = 5, token: str | None = None):
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
         return json.loads(reply.read())
 
 
@@ -107,6 +108,13 @@ class TorchServe:
     inference_url: str
     management_url: str
     pid: int | None = None
+    token_auth: bool = False
+
+    def key(self, api: str) -> str | None:
+        """The token of `api` (inference, management) from the key_file.json it wrote; None with tokens off."""
+        if not self.token_auth:
+            return None
+        return json.loads((self.folder / "key_file.json").read_text())[api]["key"]
 
     def env(self) -> dict[str, str]:
         # The launcher keeps its pid file in tempfile's folder and the frontend its worker sockets in
@@ -118,7 +126,7 @@ class TorchServe:
 
     def describe(self) -> dict:
         """The management API's view of the model (batchSize, maxBatchDelay, workers)."""
-        return _get_json(f"{self.management_url}/models/{self.model}")[0]
+        return _get_json(f"{self.management_url}/models/{self.model}", token=self.key("management"))[0]
 
     def log_tail(self, chars: int = 600) -> str:
         log = self.folder / "logs" / "ts_log.log"
@@ -153,9 +161,9 @@ class TorchServe:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                _get_json(f"{self.inference_url}/ping")
+                _get_json(f"{self.inference_url}/ping", token=self.key("inference"))
                 return
-            except (urllib.error.URLError, OSError, ValueError):
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
                 time.sleep(0.5)
         raise TorchServeError(f"torchserve did not answer /ping after {timeout:.0f} s: {self.log_tail()}")
 
@@ -187,13 +195,15 @@ class TorchServe:
 
 @contextmanager
 def started(folder: Path, archive: Path | None, workers: int | None, timeout: float = 600, properties: dict | None = None,
-            store: Path | None = None, snapshots: bool = False):
+            store: Path | None = None, snapshots: bool = False, token_auth: bool = False):
     """torchserve --start with `archive` registered, ready; stopped (and its pids ended) on exit. `properties`: more
     config.properties lines (enable_model_api=true, ...). archive None: no model, `store` the model store, ready
-    once /ping answers. `snapshots`: without --ncs, its config snapshots written to FOLDER/logs/config."""
+    once /ping answers. `snapshots`: without --ncs, its config snapshots written to FOLDER/logs/config. token_auth:
+    its tokens on (key_file.json in `folder`, server.key(api))."""
     commands = executables()
     ports = [free_port() for _ in range(5)]
-    server = TorchServe(folder, archive.stem if archive else "", f"http://127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}")
+    server = TorchServe(folder, archive.stem if archive else "", f"http://127.0.0.1:{ports[0]}",
+                        f"http://127.0.0.1:{ports[1]}", token_auth=token_auth)
     for sub in ("tmp", "logs"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     config = folder / "config.properties"
@@ -203,9 +213,10 @@ def started(folder: Path, archive: Path | None, workers: int | None, timeout: fl
         *([f"default_workers_per_model={workers}"] if workers is not None else []),
         # its gRPC ports too (7070/7071 by default): a second torchserve on the machine would stop this one
         f"grpc_inference_port={ports[3]}", f"grpc_management_port={ports[4]}",
-        "install_py_dep_per_model=false", "disable_token_authorization=true",
+        "install_py_dep_per_model=false", f"disable_token_authorization={str(not token_auth).lower()}",
         *(f"{key}={value}" for key, value in (properties or {}).items()), ""]))
-    launch = [commands["torchserve"], "--start", *([] if snapshots else ["--ncs"]), "--disable-token-auth", "--ts-config", str(config),
+    launch = [commands["torchserve"], "--start", *([] if snapshots else ["--ncs"]),
+              *([] if token_auth else ["--disable-token-auth"]), "--ts-config", str(config),
               "--model-store", str(archive.parent if archive else store),
               *(["--models", f"{archive.stem}={archive.name}"] if archive else [])]
     with open(folder / "logs" / "launcher.log", "ab") as sink:

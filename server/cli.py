@@ -98,11 +98,12 @@ def parser() -> argparse.ArgumentParser:
         "the proxy's) are refused in one line naming what does their job. The options below need --model-store\n"
         "or --torchserve-config.")
     ts.add_argument("--torchserve-config", "--ts-config", metavar="FILE", type=Path,
-                    help="TorchServe's config.properties: its inference, management and metrics addresses, "
+                    help="TorchServe's config.properties: its inference, management and metrics addresses, gRPC "
+                         "ports, "
                          "model_store, load_models, models, enable_model_api, max_request_size, job_queue_size, "
                          "token settings; a key not supported here is named once in the log. Default: none.")
     ts.add_argument("--model-store", metavar="DIR", type=Path,
-                    help="TorchServe's model store (.mar files): serve its API on ports 8080/8081/8082, each "
+                    help="TorchServe's model store (.mar files): serve its API on ports 8080/8081/8082 (gRPC 7070/7071), each "
                          "archive built by build-repo --from-mar (cached in DIR/.triton) and batched by Triton. "
                          "Default: model_store= of --torchserve-config.")
     ts.add_argument("--models", metavar="MODEL", nargs="+",

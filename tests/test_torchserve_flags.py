@@ -14,7 +14,7 @@ from server.torchserve.flags import TORCHSERVE_ONLY, TRITON_ONLY
 REFUSED_IN_TORCHSERVE_MODE = [
     (["--repository", "model_repository"], "--repository: ", "--model-store"),
     (["--http-port", "8000"], "--http-port: ", "inference_address"),  # the default, asked for: still refused
-    (["--grpc-port", "9001"], "--grpc-port: ", "no gRPC"),
+    (["--grpc-port", "9001"], "--grpc-port: ", "grpc_inference_port"),
     (["--metrics-port", "9002"], "--metrics-port: ", "metrics_address"),
     (["--host", "0.0.0.0"], "--host: ", "inference_address=http://0.0.0.0:8080"),
     (["--proxy", "on"], "--proxy: ", "ingress"),
@@ -99,7 +99,8 @@ class FakeSupervisor:
 
 
 class FakeFront:
-    def __init__(self, apps, config):
+    def __init__(self, apps, config, services):
+        assert set(services) == {"grpc_inference", "grpc_management"}
         self.ready, self.failed = threading.Event(), None
         self.ready.set()
 
@@ -128,7 +129,8 @@ def test_the_flags_torchserve_mode_honours_reach_tritonserver_the_supervisor_and
     config = tmp_path / "config.properties"
     config.write_text(f"model_store={tmp_path}\ndisable_token_authorization=true\n"
                       + "".join(f"{api}_address=http://127.0.0.1:{free_port()}\n"
-                                for api in ("inference", "management", "metrics")))
+                                for api in ("inference", "management", "metrics"))
+                      + "".join(f"grpc_{api}_port={free_port()}\n" for api in ("inference", "management")))
     status = cli.main(["--torchserve-config", str(config), "--log-file", str(tmp_path / "triton.log"),
                        "--stub-python", "/opt/py/bin/python3", "--timeout", "7", "--canary", "off",
                        "--drain-seconds", "3", "--max-restarts", "2", "--max-unfreed-instances", "1",
@@ -164,6 +166,7 @@ def test_without_the_flag_the_store_s_archives_still_run_their_code(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "config.properties"
     config.write_text(f"model_store={tmp_path}\n" + "".join(f"{api}_address=http://127.0.0.1:{free_port()}\n"
-                                                           for api in ("inference", "management", "metrics")))
+                                                           for api in ("inference", "management", "metrics"))
+                      + "".join(f"grpc_{api}_port={free_port()}\n" for api in ("inference", "management")))
     assert cli.main(["--torchserve-config", str(config)]) == 0
     assert registries[0].build_options == ["--trust-model-code"]

@@ -47,6 +47,10 @@ class ArchiveInfo:
     labels: dict[str, str] | None  # index_to_name.json as TorchServe's handlers read it
     sha256: str
     min_workers: int | None = None  # model-config.yaml's minWorkers where TorchServe takes it (_archive_workers)
+    # model-config.yaml's batchSize / maxBatchDelay where positive: a registration that names none takes them
+    # (ModelManager.createModel), else 1 and 100 ms
+    batch_size: int | None = None
+    max_batch_delay: int | None = None
 
 
 # TorchServe's allowed_urls default (config.properties): what a registration's url may be, as whole-string regexes.
@@ -168,7 +172,12 @@ def inspect(path: Path, url: str) -> ArchiveInfo:
         raise ArchiveProblem("Model name is not defined.")
     return ArchiveInfo(path, url, str(model["modelName"]), str(model.get("modelVersion") or "1.0"),
                        str(model.get("handler") or ""), labels, digest.hexdigest(),
-                       _archive_workers(settings))
+                       _archive_workers(settings), _positive(settings.get("batchSize")),
+                       _positive(settings.get("maxBatchDelay")))
+
+
+def _positive(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _yaml(text: bytes) -> dict:

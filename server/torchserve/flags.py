@@ -15,8 +15,8 @@ TRITON_ONLY = {
     "repository": "in TorchServe mode the archives come from the model store: --model-store DIR or model_store= "
                   "in config.properties",
     "http_port": f"in TorchServe mode the ports are {_ADDRESSES}",
-    "grpc_port": "TorchServe mode serves no gRPC (Triton's is off, TorchServe's 7070/7071 is not served): the "
-                 "inference API is HTTP, at config.properties' inference_address",
+    "grpc_port": "in TorchServe mode the gRPC ports are TorchServe's: config.properties' grpc_inference_port "
+                 "(7070) and grpc_management_port (7071); Triton's own gRPC is off",
     "metrics_port": "in TorchServe mode the metrics port is config.properties' metrics_address",
     "host": f"in TorchServe mode the addresses are {_ADDRESSES} (e.g. inference_address=http://0.0.0.0:8080)",
     "proxy": f"{_PROXY}; TLS and per-client rates belong to an ingress in front (--proxy off is accepted)",

@@ -91,9 +91,9 @@ class Inference:
         if self.client is not None:
             await self.client.close()
 
-    async def ping(self, request: Request) -> Response:
-        """Healthy while every model is ready in Triton with as many live instances as its workers; else 500
-        Unhealthy (a dead stub counts until serve-repo has replaced it)."""
+    async def healthy(self) -> bool:
+        """Every model ready in Triton with as many live instances as its workers (a dead stub counts until
+        serve-repo has replaced it): /ping's and gRPC Ping's answer."""
         alive = await asyncio.to_thread(self.instances)
         for model in self.registry.all():
             if not model.members:  # registered with synchronous=false, still building: its workers are to come
@@ -103,8 +103,14 @@ class Inference:
             except (InferenceServerException, OSError):
                 ready = False
             if not ready or alive.get(model.triton, 0) < model.workers:
-                return reply({"status": "Unhealthy"}, 500)
-        return reply({"status": "Healthy"})
+                return False
+        return True
+
+    async def ping(self, request: Request) -> Response:
+        """Healthy, else 500 Unhealthy."""
+        if await self.healthy():
+            return reply({"status": "Healthy"})
+        return reply({"status": "Unhealthy"}, 500)
 
     async def predict(self, request: Request, explain: bool = False) -> Response:
         params = request.path_params
@@ -115,29 +121,31 @@ class Inference:
         # Counted from here, so that an unregistering waits for this request (Registry.unregister).
         model.pending += 1
         try:
-            return await self._predict(request, model, explain)
+            try:
+                payload = await body_of(request, self.max_request_size)
+            except TooLarge:
+                return too_large()
+            except ClientDisconnect:  # gone, or cut by the front (a stalled body): no one reads an answer
+                return error(400, "the request's body did not arrive", "BadRequestException")
+            return await self.prediction(model, payload, request.headers, explain)
         finally:
             model.pending -= 1
 
     async def explanations(self, request: Request) -> Response:
         return await self.predict(request, explain=True)
 
-    async def _predict(self, request: Request, model, explain: bool) -> Response:
-        try:
-            payload = await body_of(request, self.max_request_size)
-        except TooLarge:
-            return too_large()
-        except ClientDisconnect:  # gone, or cut by the front (a stalled body): no one reads an answer
-            return error(400, "the request's body did not arrive", "BadRequestException")
+    async def prediction(self, model, payload: bytes, headers, explain: bool = False) -> Response:
+        """`payload` predicted by `model` (found, and counted in its pending by the caller), REST's or gRPC's:
+        TorchServe's answer as REST gives it; `headers` those a handler is handed; `explain`: an explanation."""
         if not payload:  # TorchServe's handler fails on it: the same answer as for any undecodable body
             return error(503, PREDICTION_FAILED, "InternalServerException")
         model.queued += 1
         try:
-            return await self._queued(model, payload, request, explain)
+            return await self._queued(model, payload, headers, explain)
         finally:
             model.queued -= 1
 
-    async def _queued(self, model, payload: bytes, request: Request, explain: bool) -> Response:
+    async def _queued(self, model, payload: bytes, headers, explain: bool) -> Response:
         # TorchServe's job queue: job_queue_size requests may wait beyond those its workers hold (a batch each);
         # past that, 503 at once. Counted here, once a request's body is read (as TorchServe queues a request it
         # has received whole: slow bodies do not fill it), not by a Triton queue policy, which would bring back its
@@ -147,7 +155,7 @@ class Inference:
                               "workers API to add workers. If this is a sequence inference, please check if it is "
                               "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")
         if model.handler:
-            return await self._handled(model, payload, request.headers, explain)
+            return await self._handled(model, payload, headers, explain)
         if explain:  # no handler runs on the image path: TorchServe's answer for a handler without explanations
             self.log(f"explanation failed for {model.name}: its image path runs no handler (serve-repo "
                      "--handler-path serves the archive's image_classifier, whose explain_handle answers)")

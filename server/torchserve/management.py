@@ -105,9 +105,11 @@ class Management:
         """`call` in a change thread, awaited."""
         return await asyncio.get_running_loop().run_in_executor(self._changes, functools.partial(call, *args, **kwargs))
 
-    async def _guard(self, request: Request, handler) -> Response:
+    async def call(self, handler, params: Params, path: dict) -> Response:
+        """One management call, REST's or gRPC's: `handler` (register, list, ...) with the call's parameters and the
+        path's model_name / version; a refusal as TorchServe's JSON error."""
         try:
-            return await handler(request)
+            return await handler(params, path)
         except BadParameter as exc:
             return error(400, str(exc))
         except NotFound as exc:
@@ -137,10 +139,10 @@ class Management:
         return error(405, "Requested method is not allowed, please refer to API document.")
 
     # -- routes --
-    async def register(self, request: Request) -> Response:
+    async def register(self, params: Params, path: dict) -> Response:
         if not self.enable_model_api:
             return self._model_api_off()
-        params, log = await _params(request, body=True), self.registry.log
+        log = self.registry.log
         url = _param(params, "url")
         if url is None:
             raise BadParameter("Parameter url is required.")
@@ -183,10 +185,9 @@ class Management:
         return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
                                 "initial workers"})
 
-    async def list(self, request: Request) -> Response:
+    async def list(self, params: Params, path: dict) -> Response:
         """TorchServe's paging: models by name; nextPageToken (the next index, a string) first, whenever the page
         does not run past the end; a limit past 0..100 is 100, a negative token 0."""
-        params = await _params(request)
         limit = _int(params, "limit", 100, self.registry.log)
         limit = 100 if limit < 0 or limit > 100 else limit
         start = max(0, _int(params, "next_page_token", 0, self.registry.log))
@@ -198,15 +199,15 @@ class Management:
             body = {"nextPageToken": str(start + limit), **body}
         return reply(body)
 
-    def _selected(self, request: Request) -> list[Model]:
-        name, version = request.path_params["model_name"], request.path_params.get("model_version")
+    def _selected(self, path: dict) -> list[Model]:
+        name, version = path["model_name"], path.get("model_version")
         if version == "all":
             self.registry.find(name)
             return list(self.registry.models[name].values())
         return [self.registry.find(name, version)]
 
-    async def describe(self, request: Request) -> Response:
-        models = self._selected(request)
+    async def describe(self, params: Params, path: dict) -> Response:
+        models = self._selected(path)
 
         def described() -> list[dict]:  # asks Triton and /proc: off the event loop
             stubs = self.server.stubs()
@@ -233,9 +234,9 @@ class Management:
                 "jobQueueStatus": {"remainingCapacity": self.registry.job_queue_size - queued,
                                    "pendingRequests": queued}}
 
-    async def scale(self, request: Request) -> Response:
-        params, log = await _params(request), self.registry.log
-        model = self.registry.find(request.path_params["model_name"], request.path_params.get("model_version"))
+    async def scale(self, params: Params, path: dict) -> Response:
+        log = self.registry.log
+        model = self.registry.find(path["model_name"], path.get("model_version"))
         # As TorchServe 0.12, with the model API off too (it refuses registering and unregistering only); what runs
         # is min_worker (Triton keeps a fixed instance count), so min_worker is what max_workers_per_model bounds.
         low = _int(params, "min_worker", 1, log)
@@ -245,7 +246,7 @@ class Management:
         if low < 0:  # TorchServe 0.12 fails it (500, an IndexOutOfBoundsException of its own)
             return error(500, f"Invalid min_worker: {low}: a worker count is 0 or more", "InternalServerException")
         _bounded("min_worker", low, self.registry.max_workers)
-        version = request.path_params.get("model_version")
+        version = path.get("model_version")
         if not _bool(params, "synchronous", False, log):
             self._background(self.registry.scale, model, low, version)
             return reply({"status": "Processing worker updates..."}, 202)
@@ -253,19 +254,19 @@ class Management:
         named = f", version: {model.version}" if version else ""
         return reply({"status": f"Workers scaled to {low} for model: {model.name}{named}"})
 
-    async def unregister(self, request: Request) -> Response:
+    async def unregister(self, params: Params, path: dict) -> Response:
         if not self.enable_model_api:
             return self._model_api_off()
-        model = self.registry.find(request.path_params["model_name"], request.path_params.get("model_version"))
+        model = self.registry.find(path["model_name"], path.get("model_version"))
         versions = self.registry.models.get(model.name, {})
-        if request.path_params.get("model_version") and len(versions) > 1 and \
+        if path.get("model_version") and len(versions) > 1 and \
                 self.registry.defaults.get(model.name) == model.version:
             return error(403, f"Cannot remove default version for model {model.name}", "InvalidModelVersionException")
         await self._change(self.registry.unregister, model)
         return reply({"status": f'Model "{model.name}" unregistered'})
 
-    async def set_default(self, request: Request) -> Response:
-        name, version = request.path_params["model_name"], request.path_params["model_version"]
+    async def set_default(self, params: Params, path: dict) -> Response:
+        name, version = path["model_name"], path["model_version"]
         self.registry.find(name)
         if version not in self.registry.models.get(name, {}):  # TorchServe's words here: no colons
             raise NotFound(f"Model version {version} does not exist for model {name}", "ModelVersionNotFoundException")
@@ -277,7 +278,11 @@ class Management:
     def app(self) -> Starlette:
         def guarded(handler):
             async def endpoint(request: Request) -> Response:
-                return await self._guard(request, handler)
+                try:  # a registration's parameters may come in a JSON body; the others' in the query only
+                    params = await _params(request, body=handler == self.register)
+                except BadParameter as exc:
+                    return error(400, str(exc))
+                return await self.call(handler, params, dict(request.path_params))
             return endpoint
 
         return Starlette(routes=[

@@ -22,8 +22,9 @@ DEFAULTS = {
 HONOURED = {"inference_address", "management_address", "metrics_address", "model_store", "load_models", "models",
             "enable_model_api", "default_workers_per_model", "max_request_size", "max_response_size",
             "job_queue_size", "disable_token_authorization", "default_response_timeout", "default_startup_timeout",
-            "allowed_urls",
-            "max_workers_per_model", "max_pixels", "model_snapshot"}
+            "allowed_urls", "max_workers_per_model", "max_pixels", "model_snapshot",
+            "grpc_inference_address", "grpc_inference_port", "grpc_management_address", "grpc_management_port",
+            "enable_grpc_ssl"}
 # what TorchServe writes into its own snapshots about itself: read back without a word
 SNAPSHOT_ONLY = {"tsConfigFile", "version"}
 # serve-repo's own key (TorchServe has no bound): the most workers (classifier stubs) one model version may run, and
@@ -89,6 +90,9 @@ class Settings:
     inference: tuple[str, int] = ("127.0.0.1", 8080)
     management: tuple[str, int] = ("127.0.0.1", 8081)
     metrics: tuple[str, int] = ("127.0.0.1", 8082)
+    # gRPC's (ConfigManager.getGRPCAddress / getGRPCPort: a bare host, 127.0.0.1 by default, and a port)
+    grpc_inference: tuple[str, int] = ("127.0.0.1", 7070)
+    grpc_management: tuple[str, int] = ("127.0.0.1", 7071)
     model_store: Path | None = None
     load_models: list[str] = field(default_factory=list)  # "all", "file.mar", "name=file.mar"
     models: dict = field(default_factory=dict)  # name -> version -> {marName, batchSize, ...}
@@ -137,6 +141,15 @@ def settings(path: Path | None, base: Path | None = None) -> Settings:
     for key in ("inference", "management", "metrics"):
         if f"{key}_address" in entries:
             setattr(result, key, address(entries[f"{key}_address"], f"{key}_address"))
+    for key in ("inference", "management"):
+        host = entries.get(f"grpc_{key}_address", "127.0.0.1").strip() or "127.0.0.1"
+        port = _int(entries.get(f"grpc_{key}_port", str(getattr(result, f"grpc_{key}")[1])), f"grpc_{key}_port")
+        if port > 65535:
+            raise PropertiesError(f"grpc_{key}_port={port}: not a port")
+        setattr(result, f"grpc_{key}", (host, port))
+    if _bool(entries.get("enable_grpc_ssl", "false")):
+        raise PropertiesError("enable_grpc_ssl=true: only plaintext gRPC is served here (TLS: put your ingress or "
+                              "a TLS proxy in front)")
     if entries.get("model_store"):
         result.model_store = Path(entries["model_store"]).expanduser()
         if not result.model_store.is_absolute():

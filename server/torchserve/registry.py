@@ -119,8 +119,9 @@ class Registry:
             with self._claims:
                 if info.version in self.models.get(name, {}):
                     raise Conflict(f"Model version {info.version} is already registered for model {name}")
-                batch = batch_size or 1  # TorchServe's defaults when the request names none
-                delay = 100 if max_batch_delay is None else max_batch_delay
+                # TorchServe's when the request names none: the archive's model-config.yaml, else 1 and 100 ms
+                batch = batch_size or info.batch_size or 1
+                delay = (info.max_batch_delay or 100) if max_batch_delay is None else max_batch_delay
                 # TorchServe's order: the archive's minWorkers over initial_workers over default_workers_per_model
                 wanted = workers if workers is not None else self.default_workers or 1
                 count = self._bounded(wanted if restored else info.min_workers or wanted, name, info.version)

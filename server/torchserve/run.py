@@ -16,6 +16,7 @@ from server.errors import ServerError
 from server.supervisor import Supervisor
 from server.torchserve import snapshots
 from server.torchserve.archives import ArchiveProblem
+from server.torchserve import grpc_api
 from server.torchserve.bounded_http import BoundedHttpToolsProtocol
 from server.torchserve.inference import Inference
 from server.torchserve.management import Management
@@ -115,7 +116,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     if args.trust_model_code:
         log("--trust-model-code: not needed in TorchServe mode, and changes nothing: as under TorchServe, the archives "
             "in the model store and those allowed_urls admits run their code")
-    for api in ("inference", "management", "metrics"):
+    for api in ("inference", "management", "metrics", "grpc_inference", "grpc_management"):
         host, port = getattr(config, api)
         if not port_free(host, port):
             log(f"serve-repo: error: the {api} address {host}:{port} is busy (another server holds it)", error=True)
@@ -158,10 +159,13 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         live = Counter(stub.model for stub in server.stubs() if stub.alive)
         return {**live, **{model: 0 for model in supervisor.replacing}}
     inference = Inference(registry, server.http_url, config.max_request_size, config.job_queue_size, instances, log)
+    management = Management(registry, config.enable_model_api, server)
     apps = {"inference": tokens.guard(inference.app(), "inference"),
-            "management": tokens.guard(Management(registry, config.enable_model_api, server).app(), "management"),
+            "management": tokens.guard(management.app(), "management"),
             "metrics": Metrics(registry, server.http_url, server.metrics_url).app()}
-    front = Front(apps, config)
+    services = {"grpc_inference": grpc_api.inference_service(inference, tokens, config.max_request_size),
+                "grpc_management": grpc_api.management_service(management, tokens, config.max_request_size)}
+    front = Front(apps, config, services)
     front.start()
     if not front.ready.wait(30) or front.failed:
         server.stop()
@@ -170,6 +174,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         return 1
     log("torchserve API ready: " + "  ".join(f"{api} http://{h}:{p}" for api, (h, p) in
                                             ((a, getattr(config, a)) for a in apps))
+        + "  " + "  ".join(f"{api.replace('_', ' ')} {h}:{p}" for api, (h, p) in
+                           ((a, getattr(config, a)) for a in services))
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
         + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on {server.http_url}, "
         f"metrics {server.metrics_url}, no TCP port, gRPC off, log {server.log_file})")
@@ -190,9 +196,12 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
 
 
 class Front:
-    """The three uvicorn servers, in one thread with its own event loop (the supervisor keeps the main one)."""
+    """The three uvicorn servers and the two gRPC servers (grpc.aio), in one thread with its own event loop (the
+    supervisor keeps the main one): gRPC's calls run the REST apps' own coroutines, in the same loop."""
 
-    def __init__(self, apps: dict, config: Settings):
+    def __init__(self, apps: dict, config: Settings, services: dict | None = None):
+        self.config, self.services = config, services or {}
+        self.grpc: list = []
         self.servers = []
         for api, app in apps.items():
             host, port = getattr(config, api)
@@ -229,8 +238,19 @@ class Front:
                 self.ready.set()
                 break
             await asyncio.sleep(0.05)
+        if not self.failed:  # after uvicorn's lifespans: the inference client the gRPC calls share is made
+            try:
+                for api, handler in self.services.items():
+                    self.grpc.append(grpc_api.server(*getattr(self.config, api), handler, self.config.max_request_size))
+                    await self.grpc[-1].start()
+            except RuntimeError as exc:
+                self.failed = f"a gRPC port could not be bound ({exc})"
+                for server in self.servers:
+                    server.should_exit = True
         self.ready.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for server in self.grpc:
+            await server.stop(5)
 
     def stop(self) -> None:
         for server in self.servers:
