@@ -109,6 +109,7 @@ class TorchServe:
     management_url: str
     pid: int | None = None
     token_auth: bool = False
+    grpc_inference: str = ""  # host:port of its gRPC inference API
 
     def key(self, api: str) -> str | None:
         """The token of `api` (inference, management) from the key_file.json it wrote; None with tokens off."""
@@ -203,7 +204,7 @@ def started(folder: Path, archive: Path | None, workers: int | None, timeout: fl
     commands = executables()
     ports = [free_port() for _ in range(5)]
     server = TorchServe(folder, archive.stem if archive else "", f"http://127.0.0.1:{ports[0]}",
-                        f"http://127.0.0.1:{ports[1]}", token_auth=token_auth)
+                        f"http://127.0.0.1:{ports[1]}", token_auth=token_auth, grpc_inference=f"127.0.0.1:{ports[3]}")
     for sub in ("tmp", "logs"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     config = folder / "config.properties"

@@ -111,14 +111,16 @@ def test_k8s_torchserve_mounts_the_configmap_and_a_writable_store_when_parsed():
 
 def test_torchserve_ports_are_config_properties_everywhere_when_parsed():
     config = settings(CONFIG)
-    ports = [config.inference[1], config.management[1], config.metrics[1]]
-    assert ports == [8080, 8081, 8082]
-    assert {config.inference[0], config.management[0], config.metrics[0]} == {"0.0.0.0"}  # reachable from outside
+    ports = [config.inference[1], config.management[1], config.metrics[1], config.grpc_inference[1],
+             config.grpc_management[1]]
+    assert ports == [8080, 8081, 8082, 7070, 7071]
+    assert {config.inference[0], config.management[0], config.metrics[0], config.grpc_inference[0],
+            config.grpc_management[0]} == {"0.0.0.0"}  # reachable from outside
     assert _service()["ports"] == [f"{p}:{p}" for p in ports]
     exposed = re.findall(r"^EXPOSE (.+)$", (DOCKER / "Dockerfile").read_text(), re.M)
     assert [int(p) for p in exposed[1].split()] == ports
     named = {p["name"]: p["containerPort"] for p in _container()["ports"]}
-    assert named == dict(zip(("inference", "management", "metrics"), ports))
+    assert named == dict(zip(("inference", "management", "metrics", "grpc-inference", "grpc-management"), ports))
     service = _documents()["Service"]["spec"]
     assert [(p["port"], p["targetPort"]) for p in service["ports"]] == list(zip(ports, named))
     assert service["selector"].items() <= _documents()["Deployment"]["spec"]["template"]["metadata"]["labels"].items()
@@ -171,7 +173,8 @@ def test_container_requirements_cover_the_fronts_imports_when_read():
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module] if (
                     isinstance(node, ast.ImportFrom) and node.level == 0 and node.module) else []
                 imported |= {name.split(".")[0] for name in names}
-    distributions = {"PIL": "pillow", "onnxruntime": "onnxruntime-gpu", "yaml": "pyyaml", "google": "protobuf"}
+    distributions = {"PIL": "pillow", "onnxruntime": "onnxruntime-gpu", "yaml": "pyyaml", "google": "protobuf",
+                     "grpc": "grpcio"}
     third_party = imported - set(sys.stdlib_module_names) - {"__future__", "common", "builder", "server", "backends"}
     assert {distributions.get(name, name) for name in third_party} <= pinned
     assert {"torchserve", "captum"} <= pinned  # the handler path's stubs import ts (and its vision handlers captum)
@@ -280,7 +283,8 @@ def test_container_command_serves_ping_and_a_prediction_with_the_token_when_run_
             assert process.poll() is None, f"the container's command exited: {(tmp_path / 'container.log').read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"not healthy: {checked.stderr}"
             time.sleep(1)
-        assert _listening(process.pid) == {8080, 8081, 8082}  # TorchServe's ports; Triton on Unix sockets only
+        # TorchServe's ports (REST and gRPC); Triton on Unix sockets only
+        assert _listening(process.pid) == {8080, 8081, 8082, 7070, 7071}
         keys = json.loads(_inside(process.pid, "cat", f"{workdir}/key_file.json").stdout)
 
         def curl(url: str, *options: str) -> tuple[int, str]:
