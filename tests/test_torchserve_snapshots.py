@@ -35,8 +35,7 @@ CALLS = [("POST", "/models?url=alpha.mar&initial_workers=0"),
          ("POST", "/models?url=alpha.mar&model_name=gamma&initial_workers=0")]
 MODELS = ("alpha", "beta", "gamma")
 # What TorchServe writes of itself (or of the keys of perf.torchserve's config.properties we do not give ours)
-TORCHSERVE_ONLY_KEYS = {"number_of_gpu", "python", "version", "workflow_store", "grpc_inference_port",
-                        "grpc_management_port", "install_py_dep_per_model"}
+TORCHSERVE_ONLY_KEYS = {"number_of_gpu", "python", "version", "workflow_store", "install_py_dep_per_model"}
 PROPERTIES = {"enable_model_api": "true", "disable_token_authorization": "true", "max_workers_per_model": "2"}
 
 
