@@ -4,10 +4,14 @@ One ResNet-152 archive (torchvision, random weights seed 0, TorchServe's image_c
 through each server's management API with the seed walkthrough's values (batch_size=8, max_batch_delay=10,
 initial_workers=1); one photo; closed-loop clients (perf.torchserve_bench's), each with a gRPC channel of its own
 (`InferenceAPIsService.Predictions`, TorchServe's inference.proto) or a keep-alive HTTP connection (REST
-/predictions): c=1 p50 and c=8 throughput, gRPC and REST, on serve-repo's TorchServe front, then on TorchServe 0.12.
+/predictions). Both servers are up the whole sitting, and the measurements alternate between them in rounds (the
+first server of a round alternates, and which API goes first), so that a drift in the machine's other load falls on
+both: each round measures c=1 p50 and c=8 throughput, gRPC and REST, on serve-repo's TorchServe front and on
+TorchServe 0.12. The ratios are of the rounds' totals (images over seconds, latencies' medians); each round's own
+ratios are listed.
 
-    python -m perf.torchserve_grpc                         # 20 s per measurement
-    python -m perf.torchserve_grpc --seconds 3 --warmup 1  # a quick look
+    python -m perf.torchserve_grpc                                   # 4 rounds of 25 s per measurement
+    python -m perf.torchserve_grpc --rounds 1 --seconds 3 --warmup 1  # a quick look
 """
 from __future__ import annotations
 
@@ -17,11 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from common.cli import OneLineParser, write_result
 from perf import torchserve
 from perf.samples import CAT
 from perf.serve import TorchServeFront
-from perf.torchserve_api import _call, measure, register
+from perf.torchserve_api import _call, register
 from perf.torchserve_bench import closed_loop, closed_loop_of, cpu, cpu_slug, versions
 
 NAME = "resnet152"
@@ -50,48 +56,86 @@ def grpc_loop(address: str, model: str, body: bytes, concurrency: int, seconds: 
     return closed_loop_of(connect, concurrency, seconds, warmup, json.loads)
 
 
-def both(rest_url: str, grpc_address: str, body: bytes, args) -> dict:
-    print("  gRPC:", file=sys.stderr)
-    over_grpc = measure(lambda c: grpc_loop(grpc_address, NAME, body, c, args.seconds, args.warmup), NAME)
-    print("  REST:", file=sys.stderr)
-    over_rest = measure(lambda c: closed_loop(rest_url, NAME, body, c, args.seconds, args.warmup), NAME)
-    return {"grpc": over_grpc, "rest": over_rest}
+def measured(rest_url: str, grpc_address: str, body: bytes, level: int, args, rest_first: bool) -> dict:
+    """One c=`level` point over gRPC and one over REST, in that order unless `rest_first`."""
+    ways = {"grpc": lambda: grpc_loop(grpc_address, NAME, body, level, args.seconds, args.warmup),
+            "rest": lambda: closed_loop(rest_url, NAME, body, level, args.seconds, args.warmup)}
+    return {api: ways[api]() for api in (("rest", "grpc") if rest_first else ("grpc", "rest"))}
 
 
-def run_ours(folder: Path, store: Path, body: bytes, args) -> dict:
-    front = TorchServeFront(folder, timeout=args.start_timeout, model_store=str(store), enable_model_api="true",
-                            disable_token_authorization="true")
-    try:
-        registered = register(front.management_url, NAME, args.start_timeout)
-        print("serve-repo's TorchServe front:", file=sys.stderr)
-        return {"registered": registered, **both(front.inference_url, f"127.0.0.1:{front.grpc_ports[0]}", body, args)}
-    finally:
-        front.stop()
+def rounds(servers: dict, body: bytes, args) -> list[dict]:
+    """`args.rounds` rounds, each: every server at c=1 and c=8, gRPC and REST; which server comes first and which API
+    comes first alternate from round to round (what follows another load measures slower: an even count of rounds
+    gives both the same share)."""
+    done = []
+    for index in range(args.rounds):
+        order = list(servers) if index % 2 == 0 else list(servers)[::-1]
+        found = {}
+        for name in order:
+            rest_url, grpc_address = servers[name]
+            found[name] = {f"c{level}": measured(rest_url, grpc_address, body, level, args, rest_first=index % 2 == 1)
+                           for level in (1, 8)}
+            for level, point in found[name].items():
+                print(f"  round {index + 1} {name} {level}: " + ", ".join(
+                    f"{api} {p['img_per_s']} img/s p50 {p['p50_ms']} ms errors {p['errors']} load "
+                    f"{p['loadavg_1min']}" for api, p in point.items()), file=sys.stderr)
+        done.append(found)
+    return done
 
 
-def run_torchserve(folder: Path, archive: Path, body: bytes, args) -> dict:
-    with torchserve.started(folder, archive, 1, args.start_timeout, properties={"enable_model_api": "true"}) as server:
-        _call("DELETE", f"{server.management_url}/models/{NAME}")  # loaded at start-up without batching
-        registered = register(server.management_url, NAME, args.start_timeout)
-        print("TorchServe 0.12:", file=sys.stderr)
-        return {"registered": registered, **both(server.inference_url, server.grpc_inference, body, args)}
+def totals(done: list[dict], server: str, api: str) -> dict:
+    """One server's figures over all rounds: c=8 images over the rounds' seconds, c=1 the median of the rounds'
+    p50s; each round's points under "points"."""
+    c8 = [found[server]["c8"][api] for found in done]
+    c1 = [found[server]["c1"][api] for found in done]
+    seconds = sum(point["seconds"] for point in c8)
+    return {"c8_images_per_s": round(sum(point["requests"] for point in c8) / seconds, 3),
+            "c1_p50_ms": round(float(np.median([point["p50_ms"] for point in c1])), 1),
+            "errors": sum(point["errors"] for point in c8 + c1),
+            "points": [{"c1": one, "c8": eight} for one, eight in zip(c1, c8)]}
 
 
 def ratios(ours: dict, theirs: dict) -> dict:
     def ratio(a, b):
         return round(a / b, 3) if a and b else None
 
-    return {"grpc_c8_ours_over_torchserve": ratio(ours["grpc"].get("c8_images_per_s"),
-                                                  theirs["grpc"].get("c8_images_per_s")),
-            "grpc_c1_p50_ours_over_torchserve": ratio(ours["grpc"].get("c1_p50_ms"), theirs["grpc"].get("c1_p50_ms")),
+    return {"grpc_c8_ours_over_torchserve": ratio(ours["grpc"]["c8_images_per_s"], theirs["grpc"]["c8_images_per_s"]),
+            "grpc_c1_p50_ours_over_torchserve": ratio(ours["grpc"]["c1_p50_ms"], theirs["grpc"]["c1_p50_ms"]),
+            "rest_c8_ours_over_torchserve": ratio(ours["rest"]["c8_images_per_s"], theirs["rest"]["c8_images_per_s"]),
+            "ours_grpc_over_rest_c8": ratio(ours["grpc"]["c8_images_per_s"], ours["rest"]["c8_images_per_s"]),
             "ours_grpc_minus_rest_c1_p50_ms": round(ours["grpc"]["c1_p50_ms"] - ours["rest"]["c1_p50_ms"], 2),
             "torchserve_grpc_minus_rest_c1_p50_ms": round(theirs["grpc"]["c1_p50_ms"] - theirs["rest"]["c1_p50_ms"],
                                                           2)}
 
 
+def per_round(done: list[dict]) -> list[dict]:
+    """Each round's own c=8 ratio of ours over TorchServe's, gRPC and REST."""
+    return [{api: round(found["ours"]["c8"][api]["requests"] / max(found["torchserve"]["c8"][api]["requests"], 1), 3)
+             for api in ("grpc", "rest")} for found in done]
+
+
+def sitting(folder: Path, store: Path, archive: Path, body: bytes, args) -> dict:
+    """Both servers started and registered, then the rounds."""
+    front = TorchServeFront(folder / "ours", timeout=args.start_timeout, model_store=str(store),
+                            enable_model_api="true", disable_token_authorization="true")
+    try:
+        registered = {"ours": register(front.management_url, NAME, args.start_timeout)}
+        with torchserve.started(folder / "torchserve", archive, 1, args.start_timeout,
+                                properties={"enable_model_api": "true"}) as server:
+            _call("DELETE", f"{server.management_url}/models/{NAME}")  # loaded at start-up without batching
+            registered["torchserve"] = register(server.management_url, NAME, args.start_timeout)
+            done = rounds({"ours": (front.inference_url, f"127.0.0.1:{front.grpc_ports[0]}"),
+                           "torchserve": (server.inference_url, server.grpc_inference)}, body, args)
+    finally:
+        front.stop()
+    return {name: {"registered": registered[name], **{api: totals(done, name, api) for api in ("grpc", "rest")}}
+            for name in ("ours", "torchserve")} | {"per_round_c8_ours_over_torchserve": per_round(done)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="python -m perf.torchserve_grpc", description=__doc__)
-    p.add_argument("--seconds", type=float, default=20, help="per measurement. Default: 20.")
+    p.add_argument("--rounds", type=int, default=4, help="Default: 4.")
+    p.add_argument("--seconds", type=float, default=25, help="per measurement. Default: 25.")
     p.add_argument("--warmup", type=float, default=5, help="seconds before each. Default: 5.")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", type=Path, help="JSON to write. Default: perf/results/torchserve-grpc-CPU.json")
@@ -103,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     body = CAT.read_bytes()
     result = {"machine": machine,
               "command": " ".join(["python -m perf.torchserve_grpc", *(sys.argv[1:] if argv is None else argv)]),
-              "seconds": args.seconds, "warmup_seconds": args.warmup, "image": f"{CAT.name} ({len(body)} bytes)"}
+              "rounds": args.rounds, "seconds": args.seconds, "warmup_seconds": args.warmup,
+              "image": f"{CAT.name} ({len(body)} bytes)"}
     with tempfile.TemporaryDirectory(prefix="ts-grpc-bench-") as tmp:
         store = Path(tmp) / "model_store"
         archive = torchserve.resnet_archive(store, NAME, None, None, None, arch=NAME)
-        result["ours"] = run_ours(Path(tmp) / "ours", store, body, args)
-        result["torchserve"] = run_torchserve(Path(tmp) / "torchserve", archive, body, args)
+        result.update(sitting(Path(tmp), store, archive, body, args))
     result["ratios"] = found = ratios(result["ours"], result["torchserve"])
     result["targets"] = {
         "grpc_c8_ours_over_torchserve": {"target": ">= 1.15", "met": (found["grpc_c8_ours_over_torchserve"] or 0)

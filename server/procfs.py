@@ -9,8 +9,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psutil
-
 from common.procs import pid_alive
 
 # Our names in /tmp and /dev/shm carry the owning process id, so that a later start can tell
@@ -134,12 +132,26 @@ def running_stubs() -> set[int]:
 
 
 def _processes(comm: str) -> list[tuple[int, list[str], int, str]]:
-    """(pid, argv, parent pid, state) of the processes whose name starts with `comm`, zombies included (no argv)."""
+    """(pid, argv, parent pid, state) of the processes whose name starts with `comm`, zombies included (no argv).
+    One read of /proc/PID/stat per process, argv only for those named so: the supervisor looks 4 times a second,
+    and psutil's process_iter cost 5x as much CPU (~5% of a core on an idle server)."""
     found = []
-    for process in psutil.process_iter(["name", "cmdline", "ppid", "status"]):
-        info = process.info
-        if not (info["name"] or "").startswith(comm):  # the kernel's name, also of a zombie (no cmdline)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
             continue
-        zombie = info["status"] == psutil.STATUS_ZOMBIE
-        found.append((process.pid, info["cmdline"] or [], info["ppid"], "Z" if zombie else "R"))
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat_file:
+                stat = stat_file.read()
+        except OSError:  # ended meanwhile
+            continue
+        # "PID (NAME) STATE PPID ...": NAME (the kernel's, a zombie's too) may hold spaces and parentheses
+        name, rest = stat[stat.find(b"(") + 1:stat.rfind(b")")], stat[stat.rfind(b")") + 2:].split()
+        if not name.decode("utf-8", "replace").startswith(comm) or len(rest) < 2:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                argv = [arg.decode("utf-8", "replace") for arg in cmdline.read().split(b"\0") if arg]
+        except OSError:
+            argv = []
+        found.append((int(entry.name), argv, int(rest[1]), "Z" if rest[0] == b"Z" else "R"))
     return found

@@ -81,8 +81,9 @@ class Supervisor:
                 if not self._restart(stop):
                     return 1 if not stop.is_set() else 0
                 continue
-            self.check_stubs()
-            self.check_unfreed()
+            stubs = self.server.stubs()  # one look at /proc per poll, for both checks
+            self.check_stubs(stubs)
+            self.check_unfreed(stubs)
             self.check_proxy()
             if self.failure:  # the proxy kept dying
                 return 1
@@ -166,9 +167,10 @@ class Supervisor:
         self.log("serve-repo: the proxy is listening again")
         return True
 
-    def check_stubs(self) -> list[str]:
-        """Find stubs that died under a READY model; reload those models. Returns the models reloaded."""
-        stubs = [s for s in self.server.stubs() if s.zombie or s.serves]
+    def check_stubs(self, stubs: list | None = None) -> list[str]:
+        """Find stubs that died under a READY model (`stubs`: server.stubs(), read now where None); reload those
+        models. Returns the models reloaded."""
+        stubs = [s for s in (self.server.stubs() if stubs is None else stubs) if s.zombie or s.serves]
         alive = {(s.model, s.instance) for s in stubs if s.alive}
         by_pid = {s.pid: s for s in stubs}
         for pid, key in list(self._known.items()):
@@ -203,10 +205,10 @@ class Supervisor:
             reloaded.append(model)
         return reloaded
 
-    def check_unfreed(self) -> bool:
+    def check_unfreed(self, stubs: list | None = None) -> bool:
         """Restart tritonserver (drained) once it holds more than max_unfreed instances it never freed."""
         now = time.monotonic()
-        dead = {s.pid for s in self.server.stubs() if s.zombie}
+        dead = {s.pid for s in (self.server.stubs() if stubs is None else stubs) if s.zombie}
         self._zombies = {pid: self._zombies.get(pid, now) for pid in dead}
         kept = [pid for pid, since in self._zombies.items() if now - since >= self.unfreed_grace]
         if not self.max_unfreed or len(kept) <= self.max_unfreed:

@@ -4,14 +4,14 @@ front (the same store: r18 1.0 loaded at start, r18 2.0 in r18-v2.mar, other 1.0
 A row: (method, path with its query, body, compare). body: None, "photo", "empty", "text", or JSON text (sent as
 application/json). compare: "bytes" (status and body byte for byte), "json" (status, then the JSON's keys and value
 types: timestamps, pids, probabilities), "status" (the status alone: TorchServe's body is not deterministic), or
-"wait" (not compared: both are polled until the model's workers are READY), "openapi" (an OpenAPI document whose
+"wait" (not compared: both are polled until the model's workers are READY), "workers" (status, then each
+described version's minWorkers, maxWorkers and number of workers), "openapi" (an OpenAPI document whose
 paths, methods, operations and parameters are TorchServe's or fewer; explanation paths may be added), or a
 difference listed in docs/migrating.md: "differs: REASON" (REASON is a phrase of that page)."""
 from __future__ import annotations
 
 NOT_AN_ARCHIVE = "differs: says which file is not an archive"
 REFUSED = "differs: 400 naming the value"
-NO_MODEL_DESCRIPTION = "differs: no per-model OpenAPI description"
 IMAGE_EXPLANATION = "differs: the image path runs no handler"
 VALUES = '{"values": [1, 2, 3]}'  # expl.mar's handler: predictions sum them, explanations double each
 NEGATIVE_WORKERS = "differs: a worker count is 0 or more"
@@ -109,8 +109,15 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("GET", "i:/", None, "bytes"),
     ("POST", "m:/", None, "bytes"),
     ("OPTIONS", "i:/ping", None, "bytes"),
-    ("OPTIONS", "i:/predictions/r18", None, NO_MODEL_DESCRIPTION),
-    ("OPTIONS", "m:/models/r18", None, NO_MODEL_DESCRIPTION),
+    ("OPTIONS", "i:/predictions/r18", None, "openapi"),
+    ("OPTIONS", "i:/predictions/r18/2.0", None, "bytes"),
+    ("OPTIONS", "i:/predictions/nope", None, "bytes"),
+    ("OPTIONS", "i:/explanations/r18", None, "openapi"),
+    ("OPTIONS", "i:/v1/models/r18:predict", None, "openapi"),
+    ("OPTIONS", "m:/models/r18", None, "openapi"),
+    ("OPTIONS", "m:/models/r18/1.0", None, "openapi"),
+    ("OPTIONS", "m:/models/r18/9.9", None, "bytes"),
+    ("OPTIONS", "m:/models/nope", None, "bytes"),
     ("POST", "m:/models?url=bad%20name.mar", None, "bytes"),
     ("POST", "m:/models?url=file:///etc/passwd", None, NOT_AN_ARCHIVE),
     ("PUT", "m:/models", None, "bytes"),
@@ -161,6 +168,15 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("PUT", "m:/models/r18/2.0?min_worker=1&max_worker=1&synchronous=true", None, "bytes"),
     ("PUT", "m:/models/r18/all?min_worker=1", None, "bytes"),
     ("GET", "m:/models/other", None, "json"),
+    # -- min_worker..max_worker: the workers are brought within them, as TorchServe's WorkLoadManager does --
+    ("PUT", "m:/models/other?min_worker=1&max_worker=2&synchronous=true", None, "bytes"),
+    ("GET", "m:/models/other", None, "workers"),
+    ("PUT", "m:/models/other?min_worker=2&max_worker=2&synchronous=true", None, "bytes"),
+    ("GET", "m:/models/other", None, "workers"),
+    ("PUT", "m:/models/other?min_worker=1&max_worker=2&synchronous=true", None, "bytes"),
+    ("GET", "m:/models/other/1.0", None, "workers"),
+    ("PUT", "m:/models/other?min_worker=1&max_worker=1&synchronous=true", None, "bytes"),
+    ("GET", "m:/models/other", None, "workers"),
     # -- set-default and the default version --
     ("PUT", "m:/models/r18/2.0/set-default", None, "bytes"),
     ("GET", "m:/models/r18", None, "json"),

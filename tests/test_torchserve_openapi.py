@@ -58,6 +58,17 @@ def test_each_path_parameter_is_a_routes_parameter_when_compared_with_the_app(ap
         assert in_path == {piece.split("}")[0] for piece in operation.path.split("{")[1:]}, operation.path
 
 
+@pytest.mark.parametrize("api", ["inference", "management"])
+def test_a_models_description_is_valid_and_names_served_paths_when_validated(api):
+    document = openapi.model_document(api, "m1")
+    validate(document)
+    served = _served(_apps()[api])
+    for path, operations in document["paths"].items():
+        route = path.replace("/m1", "/{model_name}", 1) if api == "inference" else path
+        assert route in served and set(operations) <= served[route] and "options" in served[route], path
+    assert document["info"]["title"].endswith("API for: m1")
+
+
 def _call(app, method: str, path: str, headers: dict | None = None) -> tuple[int, bytes]:
     """One request through the ASGI app, no server (no lifespan: the inference app's Triton client is not made)."""
     sent, scope = [], {"type": "http", "method": method, "path": path, "raw_path": path.encode(), "query_string": b"",

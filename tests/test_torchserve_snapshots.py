@@ -23,15 +23,15 @@ from server.torchserve.properties import PropertiesError, address, parse, settin
 from support import ROOT
 
 PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
-# The target: 3 models, one scaled to 2 workers, one with a second version set as default (its first
-# version and the third model registered with 0 workers: nothing built, nothing loaded, and restored so; two builds,
-# to keep the file short).
+# The target: 3 models, one scaled to 2 workers (maxWorkers 3, kept apart), one with a second version set as
+# default (its first version and the third model registered with 0 workers: nothing built, nothing loaded, and
+# restored so; two builds, to keep the file short).
 CALLS = [("POST", "/models?url=alpha.mar&initial_workers=0"),
          ("POST", "/models?url=alpha_v2.mar&initial_workers=1&synchronous=true"),
          ("PUT", "/models/alpha/2.0/set-default"),
          ("POST", "/models?url=alpha.mar&model_name=beta&initial_workers=1&batch_size=4&max_batch_delay=20"
                   "&synchronous=true"),
-         ("PUT", "/models/beta?min_worker=2&synchronous=true"),
+         ("PUT", "/models/beta?min_worker=2&max_worker=3&synchronous=true"),
          ("POST", "/models?url=alpha.mar&model_name=gamma&initial_workers=0")]
 MODELS = ("alpha", "beta", "gamma")
 # What TorchServe writes of itself (or of the keys of perf.torchserve's config.properties we do not give ours)
@@ -153,7 +153,7 @@ def test_our_snapshot_is_torchserves_for_the_same_calls_when_compared(ours, thei
 def test_described_state_is_torchserves_for_the_same_calls_when_compared(ours, theirs):
     assert ours[0] == theirs[0]
     assert ours[0]["alpha"] == ("2.0", {"1.0": (0, 0, 1, 100, 0), "2.0": (1, 1, 1, 100, 1)})
-    assert ours[0]["beta"][1]["1.0"] == (2, 2, 4, 20, 2)
+    assert ours[0]["beta"][1]["1.0"] == (2, 3, 4, 20, 2)
 
 
 def test_restart_restores_every_registration_from_the_build_cache_when_no_config_is_given(ours, restarted):

@@ -118,6 +118,8 @@ class Inference:
             model = self.registry.find(params["model_name"], params.get("model_version"))
         except NotFound as exc:
             return error(404, str(exc), exc.kind)
+        if request.method == "OPTIONS":  # TorchServe's per-model description, on any prediction or explanation path
+            return openapi.model_reply("inference", model.name)
         # Counted from here, so that an unregistering waits for this request (Registry.unregister).
         model.pending += 1
         try:
@@ -214,8 +216,8 @@ class Inference:
 
     def app(self) -> Starlette:
         # TorchServe answers /ping and predictions whatever the method (a GET is a prediction with no body: 503)
-        methods = ["GET", "POST", "PUT", "DELETE", "PATCH"]
-        routes = [Route("/ping", self.ping, methods=[*methods, "OPTIONS"])]  # TorchServe's answers OPTIONS too
+        methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]  # OPTIONS: a model's description
+        routes = [Route("/ping", self.ping, methods=methods)]
         for kind, answer in (("predictions", self.predict), ("explanations", self.explanations)):
             routes += [Route(f"/{kind}/{{model_name}}", answer, methods=methods),
                        Route(f"/{kind}/{{model_name}}/", answer, methods=methods),  # the default version

@@ -221,9 +221,10 @@ class Management:
                     "memoryUsage": 0, "pid": stub.pid, "gpu": False, "gpuUsage": "N/A"}
                    for i, stub in enumerate(mine[:model.workers])]
         queued = max(0, model.queued - model.batch_size * model.workers)  # beyond what the instances hold
+        low, high = model.bounds or (model.workers, model.workers)
         # TorchServe 0.12's 26 keys, in its order; those for features Triton's batching replaces keep its defaults
         return {"modelName": model.name, "modelVersion": model.version, "modelUrl": model.info.url,
-                "runtime": "python", "minWorkers": model.workers, "maxWorkers": model.workers,
+                "runtime": "python", "minWorkers": low, "maxWorkers": high,
                 "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
                 "responseTimeout": model.response_timeout, "startupTimeout": model.startup_timeout,
                 "maxRetryTimeoutInSec": 300,
@@ -238,7 +239,7 @@ class Management:
         log = self.registry.log
         model = self.registry.find(path["model_name"], path.get("model_version"))
         # As TorchServe 0.12, with the model API off too (it refuses registering and unregistering only); what runs
-        # is min_worker (Triton keeps a fixed instance count), so min_worker is what max_workers_per_model bounds.
+        # is within min_worker..max_worker (Registry.scale); what max_workers_per_model bounds is min_worker.
         low = _int(params, "min_worker", 1, log)
         high = _int(params, "max_worker", low, log)
         if low > high:
@@ -248,9 +249,9 @@ class Management:
         _bounded("min_worker", low, self.registry.max_workers)
         version = path.get("model_version")
         if not _bool(params, "synchronous", False, log):
-            self._background(self.registry.scale, model, low, version)
+            self._background(self.registry.scale, model, low, high, version)
             return reply({"status": "Processing worker updates..."}, 202)
-        await self._change(self.registry.scale, model, low, version)
+        await self._change(self.registry.scale, model, low, high, version)
         named = f", version: {model.version}" if version else ""
         return reply({"status": f"Workers scaled to {low} for model: {model.name}{named}"})
 
@@ -275,6 +276,10 @@ class Management:
         return reply({"status": f'Default version successfully updated for model "{model.name}" to '
                                 f'"{model.version}"'})
 
+    async def model_api(self, params: Params, path: dict) -> Response:
+        """OPTIONS /models/NAME[/VERSION]: the model's management calls, described as TorchServe describes them."""
+        return openapi.model_reply("management", self.registry.find(path["model_name"], path.get("model_version")).name)
+
     def app(self) -> Starlette:
         def guarded(handler):
             async def endpoint(request: Request) -> Response:
@@ -298,5 +303,6 @@ class Management:
             # TorchServe reads no further than the version for the other methods
             Route("/models/{model_name}/{model_version}/set-default", guarded(self.describe), methods=["GET"]),
             Route("/models/{model_name}/{model_version}/set-default", guarded(self.unregister), methods=["DELETE"]),
+            *(Route(path, guarded(self.model_api), methods=["OPTIONS"]) for path in openapi.MODEL_MANAGEMENT),
             *openapi.routes("management"),
         ], exception_handlers=HANDLERS)

@@ -31,8 +31,8 @@ BINARY = {"type": "string", "format": "binary"}
 DESCRIBED = {"type": "array", "items": _object(
     ["modelName", "modelVersion", "modelUrl", "minWorkers", "maxWorkers", "workers", "jobQueueStatus"],
     modelName=("string", "Name of the model."), modelVersion=("string", "Version of the model."),
-    modelUrl=("string", "URL of the model."), minWorkers=("integer", "Workers (Triton instances) it runs."),
-    maxWorkers=("integer", "The same as minWorkers: Triton runs a fixed instance count."),
+    modelUrl=("string", "URL of the model."), minWorkers=("integer", "Workers (Triton instances) at least."),
+    maxWorkers=("integer", "Workers (Triton instances) at most."),
     batchSize=("integer", "Triton's max_batch_size."), maxBatchDelay=("integer", "Triton's queue delay in ms."),
     workers=("array", "Its live workers."), jobQueueStatus=("object", "Requests queued beyond its instances."))}
 LISTED = {"type": "object", "required": ["models"], "properties": {
@@ -133,8 +133,9 @@ REGISTER_PARAMS = (
     Param("initial_workers", "query", "Workers (Triton instances). Default: default_workers_per_model, else 0.",
           "integer"),
     SYNCHRONOUS)
-SCALE_PARAMS = (Param("min_worker", "query", "Workers (Triton instances) to run. Default: 1.", "integer", default=1),
-                Param("max_worker", "query", "At least min_worker. Default: min_worker.", "integer"), SYNCHRONOUS)
+SCALE_PARAMS = (Param("min_worker", "query", "Workers (Triton instances) at least. Default: 1.", "integer", default=1),
+                Param("max_worker", "query", "Workers at most, min_worker or more. Default: min_worker.", "integer"),
+                SYNCHRONOUS)
 UPDATED = (("200", "Model workers updated", JSON, STATUS), ("202", "Accepted", JSON, STATUS), BAD, NOT_FOUND, FAILED)
 UNREGISTERED = (("200", "Model unregistered", JSON, STATUS), NOT_FOUND, FAILED)
 DESCRIBED_OK = (("200", "OK", JSON, DESCRIBED), NOT_FOUND, FAILED)
@@ -185,6 +186,36 @@ def document(api: str) -> dict:
         paths.setdefault(operation.path, {})[operation.method] = operation.openapi()
     return {"openapi": OPENAPI, "info": {"title": "TorchServe APIs", "description": "TorchServe's API served by "
                                          "serve-repo, on Triton", "version": VERSION}, "paths": paths}
+
+
+MODEL_MANAGEMENT = ("/models/{model_name}", "/models/{model_name}/{model_version}",
+                    "/models/{model_name}/{model_version}/set-default")
+
+
+def model_document(api: str, model_name: str) -> dict:
+    """One model's description, as TorchServe's OPTIONS on /predictions/NAME (its entry points) or on /models/NAME
+    (the management calls on it) answers it, but valid: its paths name the model (TorchServe's: /prediction/NAME,
+    which it does not serve, and KServe's with an undeclared {model_name}) and its operation ids are unique."""
+    if api == "inference":
+        paths = {path: {"post": {"description": f"A predict entry point for model: {model_name}.", "operationId": name,
+                                 "responses": {"200": {"description": "OK"},
+                                               "500": {"description": "Internal Server Error",
+                                                       "content": {JSON: {"schema": ERROR}}}}}}
+                 for path, name in ((f"/predictions/{model_name}", model_name),  # TorchServe's ids: the name, thrice
+                                    (f"/v1/models/{model_name}:predict", f"{model_name}_kserve_v1"),
+                                    (f"/v2/models/{model_name}/infer", f"{model_name}_kserve_v2"))}
+        info = {"title": f"RESTful API for: {model_name}", "version": "1.0.0"}
+    else:
+        paths = {}
+        for operation in MANAGEMENT:
+            if operation.path in MODEL_MANAGEMENT:
+                paths.setdefault(operation.path, {})[operation.method] = operation.openapi()
+        info = {"title": f"RESTful Management API for: {model_name}", "version": VERSION}  # its config's version
+    return {"openapi": OPENAPI, "info": info, "paths": paths}
+
+
+def model_reply(api: str, model_name: str) -> Response:
+    return Response(dumps(model_document(api, model_name)) + "\n", 200, media_type=JSON)
 
 
 def endpoint(api: str):

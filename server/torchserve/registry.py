@@ -40,6 +40,7 @@ class Model:
     members: list[str] = field(default_factory=list)  # Triton model names, in load order
     pending: int = 0  # predictions this model was found for and not yet answered (counted by the event loop)
     queued: int = 0  # of those, the ones whose body is read: TorchServe's job queue (a slow body is not in it)
+    bounds: tuple[int, int] | None = None  # TorchServe's minWorkers, maxWorkers as a scale set them (None: workers)
     built: Path | None = None  # its build in the cache (archives.build)
     result: BuildResult = field(default_factory=BuildResult)  # build-repo --json's: each model's role
 
@@ -70,10 +71,9 @@ class Registry:
         self.response_timeout = response_timeout  # seconds, where a registration names none
         self.startup_timeout = 120  # config.properties' default_startup_timeout, where a registration names none
         self.allowed_urls: tuple[str, ...] | None = None  # config.properties' allowed_urls (None: TorchServe's default)
-        # TorchServe's handlers decode with PIL's own bound (an error past 2 x 89,478,485 pixels): the models built for its
-        # API keep build-repo's `max_pixels` instead (50 M unless config.properties says), the same bound as the plain
-        # front's, in the image path's decoding model and the handler path's stub alike (issue 42 B9).
-        self.max_pixels: int | None = None  # config.properties' max_pixels (None: build-repo's, 50 M)
+        # config.properties' max_pixels (None: build-repo's, 50 M) bounds both paths' decoding, where TorchServe's
+        # handlers have PIL's own bound (an error past 2 x 89,478,485 pixels), as the plain front's (issue 42 B9)
+        self.max_pixels: int | None = None
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
         self.defaults: dict[str, str] = {}  # name -> default version
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
@@ -261,19 +261,21 @@ class Registry:
         target.write_text(to_text(served(read_config(source), instances, at_most, None if wait else 0,
                                          None if max_pixels is None else {"max_pixels": str(max_pixels)})))
 
-    def scale(self, model: Model, workers: int, named: str | None = None) -> None:
-        """Serve `model` with `workers` instances: config.pbtxt rewritten, then a live reload (Triton keeps
-        answering with the old instances until the new ones are ready; nothing in flight is lost). 0: unloaded, the
-        model still registered (TorchServe's 0 workers); from 0: built (cached) and loaded, as its registration."""
+    def scale(self, model: Model, low: int, high: int, named: str | None = None) -> None:
+        """TorchServe's minWorkers `low`, maxWorkers `high`: the workers (Triton instances) brought within them as its
+        WorkLoadManager does (0: unloaded, still registered; from 0: built, cached, and loaded as at registration);
+        a change: config.pbtxt rewritten, a live reload (the old instances answer until the new ones are ready)."""
         try:
             with self._lock:
-                self._scale(model, workers, named)
+                self._scale(model, low, high, named)
         finally:  # a failed start leaves it with 0 workers: that is the state to record
             self.changed()
 
-    def _scale(self, model: Model, workers: int, named: str | None) -> None:
+    def _scale(self, model: Model, low: int, high: int, named: str | None) -> None:
         if self.models.get(model.name, {}).get(model.version) is not model:
             return  # unregistered while the scale waited (e.g. for its build)
+        model.bounds = (low, high)
+        workers = low if not model.members or not low or model.workers < low else min(model.workers, high)
         if not model.members:
             if model.workers:  # claimed, its build to come (synchronous=false): that build serves this many
                 model.workers = workers
@@ -289,6 +291,8 @@ class Registry:
             model.workers = 0
             self._stop(model)
             return
+        if workers == model.workers:
+            return  # within them already: TorchServe leaves its workers as they are
         config = self.server.repository / model.triton / "config.pbtxt"
         self._write_config(config, config, workers)
         self.server.load(model.triton)

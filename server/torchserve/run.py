@@ -95,6 +95,8 @@ def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> N
                                       extra.get("minWorkers"), extra.get("responseTimeout") or config.response_timeout,
                                       loaded_at_startup=not restoring, startup_timeout=extra.get("startupTimeout"),
                                       restored=restoring)
+            if restoring and extra.get("maxWorkers", model.workers) > model.workers:  # as TorchServe's setModelState
+                model.bounds = (model.workers, extra["maxWorkers"])
             if restoring and extra.get("defaultVersion"):
                 registry.set_default(model)
             log(f'{"restored" if restoring else "loaded"} {model.name} {model.version} from {file}: batch_size '

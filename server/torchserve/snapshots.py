@@ -82,13 +82,13 @@ def mar_name(url: str) -> str:
 
 
 def state(registry) -> dict[str, dict[str, dict]]:
-    """The registry's registrations as Model.getModelState writes them (one worker count: min and max alike)."""
+    """The registry's registrations as Model.getModelState writes them."""
     models = {}
     for name, versions in list(registry.models.items()):
         default = registry.defaults.get(name)
         models[name] = {version: {
-            "defaultVersion": version == default, "marName": mar_name(model.info.url), "minWorkers": model.workers,
-            "maxWorkers": model.workers, "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
+            "defaultVersion": version == default, "marName": mar_name(model.info.url),
+            **dict(zip(("minWorkers", "maxWorkers"), model.bounds or (model.workers, model.workers))), "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
             "responseTimeout": model.response_timeout, "startupTimeout": model.startup_timeout,
             "runtimeType": "python"} for version, model in list(versions.items())}
     return models
