@@ -6,13 +6,13 @@ application/json). compare: "bytes" (status and body byte for byte), "json" (sta
 types: timestamps, pids, probabilities), "status" (the status alone: TorchServe's body is not deterministic), or
 "wait" (not compared: both are polled until the model's workers are READY), "workers" (status, then each
 described version's minWorkers, maxWorkers and number of workers), "openapi" (an OpenAPI document whose
-paths, methods, operations and parameters are TorchServe's or fewer; explanation paths may be added), or a
-difference listed in docs/migrating.md: "differs: REASON" (REASON is a phrase of that page)."""
+paths, methods, operations and parameters are TorchServe's or fewer; explanation paths may be added), "attributions"
+(status, then captum's attributions: the same shape, values close), or a difference listed in docs/migrating.md:
+"differs: REASON" (REASON is a phrase of that page)."""
 from __future__ import annotations
 
 NOT_AN_ARCHIVE = "differs: says which file is not an archive"
 REFUSED = "differs: 400 naming the value"
-IMAGE_EXPLANATION = "differs: the image path runs no handler"
 VALUES = '{"values": [1, 2, 3]}'  # expl.mar's handler: predictions sum them, explanations double each
 NEGATIVE_WORKERS = "differs: a worker count is 0 or more"
 ROWS: list[tuple[str, str, str | None, str]] = [
@@ -244,6 +244,35 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("DELETE", "m:/models/idle", None, "bytes"),
     ("POST", "m:/models?url=other.mar&model_name=idle&initial_workers=-1&synchronous=false", None, "bytes"),
     ("DELETE", "m:/models/idle", None, "bytes"),
+    # -- explanations: a custom handler's explain_handle, TorchServe's paths and KServe's --
+    ("POST", "m:/models?url=expl.mar&initial_workers=1&synchronous=true", None, "bytes"),
+    ("POST", "i:/explanations/expl", VALUES, "bytes"),
+    ("PUT", "i:/explanations/expl/1.0", VALUES, "bytes"),
+    ("POST", "i:/explanations/expl/", VALUES, "bytes"),
+    ("POST", "i:/predictions/expl", VALUES, "bytes"),
+    ("POST", "i:/explanations/expl/9.9", VALUES, "bytes"),
+    ("POST", "i:/explanations/nope", VALUES, "bytes"),
+    ("POST", "i:/explanations", VALUES, "bytes"),
+    ("POST", "i:/explanations/expl", "empty", "bytes"),
+    ("GET", "i:/explanations/expl", None, "bytes"),
+    ("POST", "i:/explanations/expl", "text", "bytes"),
+    ("POST", "i:/v1/models/expl:explain", VALUES, "bytes"),
+    ("POST", "i:/v1/models/expl:predict", VALUES, "bytes"),
+    ("POST", "i:/v1/models/nope:explain", VALUES, "bytes"),
+    ("POST", "i:/v1/models/expl", VALUES, "bytes"),
+    ("POST", "i:/v2/models/expl/explain", VALUES, "bytes"),
+    ("POST", "i:/v2/models/expl/infer", VALUES, "bytes"),
+    ("DELETE", "m:/models/expl", None, "bytes"),
+    ("POST", "i:/explanations/expl", VALUES, "bytes"),
+    # -- explanations of an image_classifier archive (the image path here: its explainer loaded on the first) --
+    ("POST", "i:/explanations/r18", "photo", "attributions"),
+    ("POST", "i:/predictions/r18", "photo", "json"),
+    ("POST", "i:/v1/models/r18:explain", "photo", "attributions"),
+    ("POST", "i:/v2/models/r18/explain", "photo", "attributions"),
+    ("POST", "i:/explanations/r18/1.0", "empty", "bytes"),
+    ("POST", "i:/explanations/r18", "text", "bytes"),
+    ("POST", "i:/explanations/r18/9.9", "photo", "bytes"),
+    ("POST", "i:/v1/models/r18:predict", "photo", "json"),
     # -- handler and startup_timeout, applied as TorchServe applies them --
     # (after a failed start TorchServe unregisters the model when its worker's failure comes back, at times after it
     # answered: the next calls name other models)

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from parity_table import ROWS
@@ -43,6 +44,7 @@ class Explained(BaseHandler):
 '''
 
 PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
+ATTRIBUTIONS_CLOSE = 1e-4  # of the largest attribution: both run eager PyTorch, threads may sum in another order
 BODIES = {"photo": PHOTO.read_bytes(), "empty": b"", "text": b"hello"}
 
 
@@ -133,6 +135,12 @@ def different(compare: str, ours: tuple[int, bytes], theirs: tuple[int, bytes]) 
         return None if counts(ours[1]) == counts(theirs[1]) else f"workers {counts(ours[1])} != {counts(theirs[1])}"
     if compare == "bytes" and ours[1] != theirs[1]:
         return "body"
+    if compare == "attributions":  # captum's: the same computation, on the same weights and photo
+        mine, reference = (np.asarray(json.loads(body), dtype=np.float64) for body in (ours[1], theirs[1]))
+        if mine.shape != reference.shape:
+            return f"attributions of shape {mine.shape}, TorchServe's {reference.shape}"
+        gap, largest = float(np.abs(mine - reference).max()), float(np.abs(reference).max())
+        return None if gap <= ATTRIBUTIONS_CLOSE * largest else f"attributions {gap:.3g} apart (largest {largest:.3g})"
     if compare == "json":
         mine, reference = json.loads(ours[1] or b"null"), json.loads(theirs[1] or b"null")
         if shape(mine) != shape(reference):

@@ -235,6 +235,18 @@ def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], 
     return built, result
 
 
+def link(built: Path, member: str, repository: Path) -> Path:
+    """The built model `member` linked into the served `repository` (its folder there made anew), but for its
+    config.pbtxt: the caller writes that one as served (workers, max_pixels). Returns the folder."""
+    target = repository / member
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for item in (built / member).iterdir():
+        if item.name != "config.pbtxt":
+            (target / item.name).symlink_to(item.resolve(), target_is_directory=item.is_dir())
+    return target
+
+
 KEEP_UNUSED_BUILDS = 8  # builds no registration serves that the cache keeps (the most recently used)
 
 
@@ -248,7 +260,6 @@ def prune(cache: Path, in_use: set[Path], keep: int = KEEP_UNUSED_BUILDS) -> lis
     for old in unused[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return unused[keep:]
-
 
 
 def with_handler(info: ArchiveInfo, handler: str, folder: Path) -> ArchiveInfo:

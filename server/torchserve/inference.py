@@ -1,6 +1,7 @@
 """TorchServe's inference API on Triton: /ping, and /predictions/NAME[/VERSION] answered as TorchServe's
 image_classifier handler answers (its top 5 as one JSON object), the image sent to Triton's NAME_image as bytes;
-/explanations/NAME[/VERSION] (and KServe's :explain) by a handler's explain_handle; OPTIONS / its description."""
+/explanations/NAME[/VERSION] (and KServe's :explain) by a handler's explain_handle (the image path's: its
+explainer, explainers.py); OPTIONS / its description."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from tritonclient.utils import InferenceServerException
 from common.contract import BODY, CONTENT_TYPE, IMAGE_BYTES, LOGITS, RESPONSE, STATUS, STATUS_PARAMETER
 from common.messages import first_line
 from server.torchserve import openapi
+from server.torchserve.explainers import Unavailable
 from server.torchserve.registry import NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply, too_large
 from server.unix_http import aio_client
@@ -158,22 +160,27 @@ class Inference:
                               "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")
         if model.handler:
             return await self._handled(model, payload, headers, explain)
-        if explain:  # no handler runs on the image path: TorchServe's answer for a handler without explanations
-            self.log(f"explanation failed for {model.name}: its image path runs no handler (serve-repo "
-                     "--handler-path serves the archive's image_classifier, whose explain_handle answers)")
-            return error(503, PREDICTION_FAILED, "InternalServerException")
+        if explain:  # the image path runs no handler: the archive's own, loaded for explanations (explainers.py)
+            try:
+                explainer = await self.registry.explainers.entry(model)
+            except Unavailable as exc:  # TorchServe's answer where a handler fails; the reason in the log
+                self.log(f"explanation failed for {model.name}: its explainer could not be loaded: {exc}")
+                return error(503, PREDICTION_FAILED, "InternalServerException")
+            return await self._handled(model, payload, headers, explain, explainer)
         return await self._infer(model, payload)
 
-    async def _handled(self, model, payload: bytes, headers, explain: bool) -> Response:
-        """The archive's own handler (a custom handler's archive): the body to its BODY, its answer as it made it,
-        the request's headers as TorchServe hands them to a handler (with its "explain" header: the handler's
-        explain_handle answers where "True"); its failure as TorchServe's worker reports it."""
+    async def _handled(self, model, payload: bytes, headers, explain: bool, entry: str | None = None) -> Response:
+        """The archive's own handler (a custom handler's archive; `entry`: the image path's explainer): the body to
+        its BODY, its answer as it made it, the request's headers as TorchServe hands them to a handler (with its
+        "explain" header: the handler's explain_handle answers where "True"); its failure as TorchServe's worker
+        reports it."""
         tensor = aioclient.InferInput(BODY, [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
         forwarded = {key: value for key, value in headers.items() if key not in NOT_FORWARDED}
         forwarded.update({"url_path": "", EXPLAIN: str(explain)})  # TorchServe's frontend sets both over the client's
         try:  # with STATUS_PARAMETER the handler's failures come back as STATUS, never as a Triton error
-            result = await self.client.infer(model.entry, [tensor], parameters={**forwarded, STATUS_PARAMETER: "1"},
+            result = await self.client.infer(entry or model.entry, [tensor],
+                                             parameters={**forwarded, STATUS_PARAMETER: "1"},
                                              outputs=[aioclient.InferRequestedOutput(name)
                                                       for name in (RESPONSE, CONTENT_TYPE, STATUS)],
                                              timeout=model.response_timeout * 1_000_000)

@@ -36,9 +36,10 @@ class Metrics:
 
     async def _stats(self, client, model) -> tuple[float, float, float]:
         """(requests answered, their latency in us, their time queued in us) of one model, as Triton counts them:
-        the image model's requests; the time spent and queued in every model it runs."""
+        the image model's requests and its explainer's; the time spent and queued in every model it runs."""
         requests = latency = queued = 0.0
-        for member in model.members:
+        explainer = model.explainer
+        for member in [*model.members, *([explainer] if explainer else [])]:
             try:
                 stats = (await client.get_inference_statistics(member))["model_stats"]
             except (InferenceServerException, OSError, KeyError):
@@ -48,7 +49,7 @@ class Metrics:
                 queued += float(inference.get("queue", {}).get("ns", 0)) / 1000
                 # an ensemble counts its requests but not their time: that is its models'
                 latency += float(inference.get("success", {}).get("ns", 0)) / 1000
-                if member == model.entry:
+                if member in (model.entry, explainer):
                     requests += float(inference.get("success", {}).get("count", 0))
                     requests += float(inference.get("fail", {}).get("count", 0))
         return requests, latency, queued

@@ -6,9 +6,10 @@ import hashlib
 import re
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-# What build-repo may add to BASE (the onnx/torchscript exports with --formats): a registration's Triton names are
-# BASE plus each of these, and no two registrations may share one.
-SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript")
+# What build-repo may add to BASE (the onnx/torchscript exports with --formats), and BASE_explain (the image path's
+# explanations, explainers.py): a registration's Triton names are BASE plus each of these, and no two registrations
+# may share one.
+SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript", "_explain")
 
 
 def triton_names(base: str) -> set[str]:

@@ -1,63 +1,24 @@
 """The registered models: TorchServe's (name, version) entries, each served by Triton as BASE, BASE_preprocess,
 BASE_image built by build-repo (BASE: the name, else NAME_vVERSION, else with a hash: never another entry's);
 registered, scaled (a live reload, up to max_workers) and unregistered through Triton's repository API, never a
-restart."""
+restart. BASE_explain, the image path's explanations, is loaded on demand (explainers.py), unloaded with the rest."""
 from __future__ import annotations
 
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
-from common.build_result import BuildResult
 from common.modelconfig import read_config, served, to_text
 from server import canary
 from server.errors import ServerError
-from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveInfo, ArchiveProblem, build, downloaded, inspect,
-                                        locate, prune, with_handler)
+from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveProblem, build, downloaded, inspect, link, locate,
+                                        prune, with_handler)
+from server.torchserve.explainers import Explainers
 from server.torchserve.naming import NAME, triton_base, triton_names
+from server.torchserve.registration import Model
 from server.torchserve.replies import Conflict, NotFound  # noqa: F401 (imported from here by the API modules)
 from server.triton import TritonServer
-
-
-@dataclass
-class Model:
-    name: str
-    version: str
-    info: ArchiveInfo
-    triton: str  # BASE of the Triton models (triton_base)
-    batch_size: int
-    max_batch_delay: int
-    workers: int
-    response_timeout: int
-    loaded_at_startup: bool
-    startup_timeout: int = 120  # seconds its workers may take to start (TorchServe's default_startup_timeout)
-    handler_override: str | None = None  # the registration's `handler`, in place of the manifest's (TorchServe's)
-    start_time: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
-                            + "Z")
-    members: list[str] = field(default_factory=list)  # Triton model names, in load order
-    pending: int = 0  # predictions this model was found for and not yet answered (counted by the event loop)
-    queued: int = 0  # of those, the ones whose body is read: TorchServe's job queue (a slow body is not in it)
-    bounds: tuple[int, int] | None = None  # TorchServe's minWorkers, maxWorkers as a scale set them (None: workers)
-    built: Path | None = None  # its build in the cache (archives.build)
-    result: BuildResult = field(default_factory=BuildResult)  # build-repo --json's: each model's role
-
-    @property
-    def handler(self) -> bool:
-        """Served by the archive's own handler (build-repo --from-mar of a custom handler's archive: one model,
-        BODY in, contract.HANDLER_OUTPUTS out), not by the image path (NAME_image), as build-repo said."""
-        return self.result.handler
-
-    @property
-    def image_model(self) -> str:
-        return f"{self.triton}_image"
-
-    @property
-    def entry(self) -> str:
-        """The Triton model a prediction goes to."""
-        return self.triton if self.handler else self.image_model
 
 
 class Registry:
@@ -79,6 +40,7 @@ class Registry:
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
         self._claims = threading.Lock()  # models and defaults changed (never held through a build)
         self.changed = lambda: None  # after each change a client made: TorchServe's config snapshot (snapshots.py)
+        self.explainers = Explainers(self)  # the image path's explanations: a handler-path model loaded on demand
 
     # -- lookups (the inference API's, on every request: no lock, dict reads are atomic) --
     def find(self, name: str, version: str | None = None) -> Model:
@@ -175,7 +137,8 @@ class Registry:
         finally:
             if info is not model.info:
                 info.path.unlink(missing_ok=True)
-        for removed in prune(self.cache, {built} | {m.built for m in self.all() if m.built}):
+        in_use = {built} | {m.built for m in self.all() if m.built} | {m.explainer_built for m in self.all()}
+        for removed in prune(self.cache, in_use - {None}):
             self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
         model.built, model.result = built, result
         began = time.monotonic()  # the build is serve-repo's own step; the workers' start is Triton's load
@@ -217,13 +180,7 @@ class Registry:
         """Link the built models into the served repository and load them (the ensemble last)."""
         members = model.result.load_order()
         for member in members:
-            target = self.server.repository / member
-            shutil.rmtree(target, ignore_errors=True)
-            target.mkdir(parents=True)
-            for item in (built / member).iterdir():
-                if item.name == "config.pbtxt":
-                    continue
-                (target / item.name).symlink_to(item.resolve(), target_is_directory=item.is_dir())
+            target = link(built, member, self.server.repository)
             # The classifier runs `workers` instances; its decoder (NAME_preprocess) as built, but never more.
             self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
                                model.workers if member == model.triton else None,
@@ -327,6 +284,7 @@ class Registry:
                 self.log(f"unloading {model.name}: {exc}")
             self._wait_unloaded([member])
         self._remove(members)
+        self.explainers.unload(model)  # its explanations' model too, where one was loaded
 
     def _wait_unloaded(self, members: list[str], limit: float = 120) -> None:
         deadline = time.monotonic() + limit
