@@ -1,5 +1,6 @@
 """-> NAME/1/model.py for a TorchServe archive's handler: its handle() once per batch Triton formed (its
-explanations, requests whose "explain" header is "True", in a handle() call of their own).
+explanations, requests whose "explain" header is "True", and describe requests, "describe" "True", in handle() calls
+of their own).
 
 The archive is unpacked in archive/ beside this file (its own model.py cannot clash with this one). Each
 request's BODY (one BYTES element) is one TorchServe request item; RESPONSE and CONTENT_TYPE carry its answer,
@@ -15,10 +16,11 @@ import triton_python_backend_utils as pb_utils
 
 import ts_engine
 import ts_worker
-from contract import BODY, CONTENT_TYPE, RESPONSE, STATUS, STATUS_PARAMETER
+from contract import BODY, CONTENT_TYPE, ENTRIES_PARAMETER, RESPONSE, STATUS, STATUS_PARAMETER
 
 ARCHIVE_DIR = "archive"
 EXPLAIN = "explain"  # the header TorchServe's frontend sets: "True" for an explanation
+DESCRIBE = "describe"  # "True": the handler's describe_handle answers (DescribeModel with customized metadata)
 
 
 class TritonPythonModel:
@@ -52,7 +54,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses, as_status = [None] * len(requests), [False] * len(requests)
-        groups: dict[bool, tuple[list, list[int]]] = {}  # explanation or not: (request items, their indexes)
+        groups: dict[tuple, tuple[list, list[int]]] = {}  # (explanation, describe): (request items, indexes)
         for index, request in enumerate(requests):
             body = pb_utils.get_input_tensor_by_name(request, BODY).as_numpy().reshape(-1)
             if body.size != 1:
@@ -62,15 +64,17 @@ class TritonPythonModel:
             value = body[0] if isinstance(body[0], bytes) else bytes(body[0])
             headers = _headers(request)
             as_status[index] = headers.pop(STATUS_PARAMETER, None) is not None
-            try:
-                item = ts_worker.request_item(value, headers)
+            describe, layout = headers.get(DESCRIBE) == "True", headers.pop(ENTRIES_PARAMETER, None)
+            try:  # a describe request has no input, as TorchServe's frontend sends it
+                item = ({}, headers) if describe else ts_worker.request_entries(value, layout, headers) if layout \
+                    else ts_worker.request_item(value, headers)
             except ts_worker.Refused as exc:  # this request alone: its neighbours go to handle() without it
                 failed = ts_worker.Answer(error=exc.reason, status=exc.status)
                 responses[index] = _answer(failed, as_status[index], invalid=True)
                 continue
-            # Explanations apart from predictions: BaseHandler reads the first request's "explain" header for all
-            # (under TorchServe a prediction batched behind an explanation gets an explanation).
-            group = groups.setdefault(headers.get(EXPLAIN) == "True", ([], []))
+            # Explanations and describe requests apart from predictions: BaseHandler reads the first request's
+            # headers for all (under TorchServe a prediction batched behind an explanation gets an explanation).
+            group = groups.setdefault((headers.get(EXPLAIN) == "True", describe), ([], []))
             group[0].append(item)
             group[1].append(index)
         for items, owners in groups.values():

@@ -159,6 +159,17 @@ def request_item(body: bytes, headers: dict[str, str]) -> tuple[dict, dict]:
     return item, {**{name: {"content-type": content_type} for name in item}, **headers}
 
 
+def request_entries(body: bytes, layout: str, headers: dict[str, str]) -> tuple[dict, dict]:
+    """One request whose named entries (a gRPC input map) lie end to end in `body`, `layout` their names and lengths
+    (JSON): each entry under its own name, as bytes (gRPC gives no content type), as TorchServe's worker hands them."""
+    item, offset = {}, 0
+    for name, length in json.loads(layout):
+        item[str(name)] = body[offset:offset + int(length)]
+        offset += int(length)
+        check_image(item[str(name)])
+    return item, {**{name: {"content-type": ""} for name in item}, **headers}
+
+
 def predict(service, items: list[tuple[dict, dict]]) -> list[Answer]:
     """ONE handle() call for the whole batch, as ts/service.py's Service.predict: a failure of that call or a
     wrong number of answers fails every request of the batch (TorchServe's 503/507 messages, with the reason);

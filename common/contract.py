@@ -23,6 +23,10 @@ HANDLER_OUTPUTS = ((RESPONSE, "BYTES"), (CONTENT_TYPE, "BYTES"), (STATUS, "INT32
 # reason) instead of as a Triton error, which carries no output (the TorchServe front sends it; a plain Triton
 # client, without it, gets the error, its message ending "(STATUS)").
 STATUS_PARAMETER = "handler_status_output"
+# A request parameter: BODY holds several named entries end to end (a gRPC PredictionsRequest's input map, which
+# TorchServe hands a handler entry by entry): their names and lengths, JSON [[name, length], ...]. Without it BODY is
+# one body, handed over as "data" and "body".
+ENTRIES_PARAMETER = "handler_input_entries"
 
 # The classifier NAME's one image input, by build-repo's --input-dtype: (name, Triton data type). Chosen when
 # the repository is built, so the metadata is the whole contract (perf_analyzer, Model Analyzer and KServe-v2

@@ -1,6 +1,7 @@
 """TorchServe's gRPC APIs served by serve-repo: TorchServe's own Python gRPC client example run unchanged against the
 front (its answer the REST answer), and every call's answer (gRPC status code and message) compared with TorchServe
-0.12's own gRPC on the same archive, calls and tokens."""
+0.12's own gRPC on the same archive, calls and tokens: this module's calls, then tests/grpc_table.py's rows (every
+field of every request message at its edges), on one TorchServe and one front."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import re
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -16,15 +18,17 @@ import numpy as np
 import pytest
 from google.protobuf import empty_pb2
 
+import grpc_table
 from perf import torchserve
 from perf.serve import TorchServeFront
 from server.torchserve.proto import inference_pb2, inference_pb2_grpc, management_pb2, management_pb2_grpc
 from support import ROOT
+from test_handler import _archive
 
 NAME = "resnet-18"
 KITTEN = ROOT / "tests" / "torchserve_examples" / "resnet_152_batch" / "images" / "kitten.jpg"
 CLIENT = ROOT / "tests" / "torchserve_examples" / "ts_scripts" / "torchserve_grpc_client.py"
-MAX_REQUEST = 2_000_000
+MAX_REQUEST = grpc_table.MAX_REQUEST
 PROPERTIES = {"enable_model_api": "true", "max_request_size": str(MAX_REQUEST)}
 # TorchServe's client example as its docs run it (its modules generated from the .proto files beside it, here ours),
 # its fixed localhost:7070 / 7071 sent to the ports given: the script itself runs unchanged.
@@ -145,6 +149,7 @@ def exercise(end: Endpoint) -> dict:
     answers["unregister again"] = end.call("management", "UnregisterModel",
                                            management_pb2.UnregisterModelRequest(model_name=NAME))
     answers["list, none"] = end.call("management", "ListModels", management_pb2.ListModelsRequest())
+    answers["table"] = grpc_table.replay(end, kitten)
     return answers
 
 
@@ -156,11 +161,11 @@ def _keys(folder: Path) -> dict[str, str]:
 def store(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("grpc") / "model_store"
     torchserve.resnet_archive(folder, NAME, 8, 5, 1, arch="resnet18", fc_scale=0.01)
+    grpc_table.add_archives(folder, _archive)
     return folder
 
 
-@pytest.fixture(scope="module")
-def reference(store):
+def _theirs(store: Path) -> dict:
     """TorchServe 0.12 itself, tokens on, no model at first: its answers."""
     folder = store.parent / "torchserve"
     ports = [torchserve.free_port(), torchserve.free_port()]
@@ -169,21 +174,41 @@ def reference(store):
                             token_auth=True) as real:
         end = Endpoint(tuple(ports), _keys(folder), real.inference_url)
         try:
-            yield exercise(end)
+            return exercise(end)
         finally:
             end.close()
 
 
-@pytest.fixture(scope="module")
-def ours(store, reference):
+def _ours(store: Path) -> dict:
     """serve-repo's TorchServe front, tokens on: the same calls' answers."""
-    front = TorchServeFront(store.parent / "front", model_store=str(store), **PROPERTIES)
-    end = Endpoint(tuple(front.grpc_ports), _keys(front.folder), front.inference_url)
+    # two workers at most (serve-repo's bound; the table scales to 2), whatever this machine's CPU count
+    front = TorchServeFront(store.parent / "front", model_store=str(store), max_workers_per_model="2", **PROPERTIES)
     try:
-        yield exercise(end)
+        end = Endpoint(tuple(front.grpc_ports), _keys(front.folder), front.inference_url)
+        try:
+            return exercise(end)
+        finally:
+            end.close()
     finally:
-        end.close()
         front.stop()
+
+
+@pytest.fixture(scope="module")
+def answers(store) -> tuple[dict, dict]:
+    """(ours, TorchServe's), the two replays side by side: each waits on its workers much of the time."""
+    with ThreadPoolExecutor(1) as pool:
+        theirs = pool.submit(_theirs, store)
+        return _ours(store), theirs.result()
+
+
+@pytest.fixture(scope="module")
+def reference(answers) -> dict:
+    return answers[1]
+
+
+@pytest.fixture(scope="module")
+def ours(answers) -> dict:
+    return answers[0]
 
 
 def _top5(text: str) -> dict:
@@ -251,3 +276,30 @@ def test_generated_modules_hold_the_vendored_proto_s_messages_fields_and_calls_w
     calls = set(re.findall(r"rpc (\w+)\(", text))
     (service,) = module.DESCRIPTOR.services_by_name.values()
     assert calls == {method.name for method in service.methods}
+
+
+def test_grpc_table_covers_every_call_and_field_of_both_protos_when_read():
+    assert len(grpc_table.ROWS) >= 150
+    calls = {call for call, _, _ in grpc_table.ROWS}
+    for module in (inference_pb2, management_pb2):
+        (service,) = module.DESCRIPTOR.services_by_name.values()
+        assert {method.name for method in service.methods} <= calls
+    used = {(call, key) for call, fields, _ in grpc_table.ROWS for key in fields} | \
+        {("StreamPredictions2", key) for call, fields, _ in grpc_table.ROWS for request in fields.get("requests", ())
+         for key in request}
+    for call, kind in grpc_table.MESSAGES.items():
+        assert {(call, field.name) for field in kind.DESCRIPTOR.fields} <= used, call
+    assert {("StreamPredictions2", field.name) for field in inference_pb2.PredictionsRequest.DESCRIPTOR.fields} <= used
+
+
+def test_grpc_table_answers_as_torchserve_or_its_difference_is_listed(ours, reference):
+    listed = (ROOT / "docs" / "migrating.md").read_text()
+    found = []
+    for row, mine, theirs in zip(grpc_table.ROWS, ours["table"], reference["table"]):
+        call, fields, compare = row
+        if compare.startswith("differs: "):
+            assert compare.removeprefix("differs: ") in listed, row
+        if (why := grpc_table.different(compare, mine, theirs)) is not None:
+            shown = {key: (value if len(str(value)) < 80 else f"{str(value)[:60]}...") for key, value in fields.items()}
+            found.append(f"{call} {shown}: {why}\n  ours:   {str(mine)[:400]}\n  theirs: {str(theirs)[:400]}")
+    assert not found, f"{len(found)} differences:\n" + "\n".join(found)

@@ -16,7 +16,7 @@ import time
 import urllib.request
 import zipfile
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 from common.archive import MANIFEST, ArchiveError, read_labels, read_manifest
@@ -66,8 +66,12 @@ def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
     machine's own services, Triton's private ports among them). Refusals say nothing of what exists there."""
     if ".." in url:
         raise ArchiveProblem(f"Relative path is not allowed in url: {url}", 404, "ModelNotFoundException")
-    if "://" in url:
-        patterns = allowed_urls or DEFAULT_ALLOWED_URLS
+    patterns = allowed_urls or DEFAULT_ALLOWED_URLS
+    if "://" in url and not re.match(r"(?i)(file?|https?)://", url) and \
+            not any(re.fullmatch(pattern, url) for pattern in patterns):
+        # another scheme, not allowed: TorchServe's ArchiveUtils takes the URL's file name as a name in the store
+        path = store / PurePosixPath(urlsplit(url).path).name
+    elif "://" in url:
         parts = urlsplit(url)
         if not any(re.fullmatch(pattern, url) for pattern in patterns) or parts.scheme not in ("file", "http", "https") \
                 or (parts.scheme != "file" and allowed_urls is None and _own_machine(parts.hostname)):

@@ -5,6 +5,7 @@ explainer, explainers.py); OPTIONS / its description."""
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -15,7 +16,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from tritonclient.utils import InferenceServerException
 
-from common.contract import BODY, CONTENT_TYPE, IMAGE_BYTES, LOGITS, RESPONSE, STATUS, STATUS_PARAMETER
+from common.contract import (BODY, CONTENT_TYPE, ENTRIES_PARAMETER, IMAGE_BYTES, LOGITS, RESPONSE, STATUS,
+                             STATUS_PARAMETER)
 from common.messages import first_line
 from server.torchserve import openapi
 from server.torchserve.explainers import Unavailable
@@ -31,6 +33,7 @@ PREDICTION_FAILED = "Prediction failed"
 DISCARD_BYTES = 64 << 20
 # Headers not handed to a handler (TorchServe hands it the rest): the token, and what only the connection means.
 EXPLAIN = "explain"  # the request header TorchServe's BaseHandler reads: "True" for an explanation
+DESCRIBE = "describe"  # and "True" here: its describe_handle answers
 NOT_FORWARDED = {"authorization", "host", "connection", "content-length", "transfer-encoding", "expect",
                  "keep-alive", "upgrade"}
 
@@ -66,6 +69,15 @@ async def _discard(stream, size: int, limit: int) -> None:
         size += len(chunk)
         if size > max(DISCARD_BYTES, 2 * limit):
             return
+
+
+def no_worker(name: str, version: str | None) -> str:
+    """TorchServe's refusal of a prediction no worker can take (ApiUtils.getStreamingInferenceErrorResponseMessage:
+    the version where the request named one)."""
+    named = f'" Version {version}' if version else ""
+    return (f'Model "{name}{named}" has no worker to serve inference request. Please use scale workers API to add '
+            "workers. If this is a sequence inference, please check if it is closed, or expired; or exceeds "
+            "maxSequenceJobQueueSize")
 
 
 def top5(logits: np.ndarray, labels: dict[str, str] | None) -> dict:
@@ -131,33 +143,51 @@ class Inference:
                 return too_large()
             except ClientDisconnect:  # gone, or cut by the front (a stalled body): no one reads an answer
                 return error(400, "the request's body did not arrive", "BadRequestException")
-            return await self.prediction(model, payload, request.headers, explain)
+            return await self.prediction(model, payload, request.headers, explain, version=params.get("model_version"))
         finally:
             model.pending -= 1
 
     async def explanations(self, request: Request) -> Response:
         return await self.predict(request, explain=True)
 
-    async def prediction(self, model, payload: bytes, headers, explain: bool = False) -> Response:
+    async def prediction(self, model, payload: bytes, headers, explain: bool = False,
+                         entries: dict[str, bytes] | None = None, version: str | None = None) -> Response:
         """`payload` predicted by `model` (found, and counted in its pending by the caller), REST's or gRPC's:
-        TorchServe's answer as REST gives it; `headers` those a handler is handed; `explain`: an explanation."""
-        if not payload:  # TorchServe's handler fails on it: the same answer as for any undecodable body
+        TorchServe's answer as REST gives it; `headers` those a handler is handed; `explain`: an explanation.
+        `entries`: a gRPC input map, which a handler's archive is handed whole (the image path reads `payload`);
+        `version`: the version the request named (TorchServe's refusals name it)."""
+        if model.handler and entries is not None:  # the handler judges them, empty ones too
+            payload, headers = b"".join(entries.values()), {
+                **headers, ENTRIES_PARAMETER: json.dumps([[name, len(value)] for name, value in entries.items()])}
+        elif not payload:  # TorchServe's handler fails on it: the same answer as for any undecodable body
             return error(503, PREDICTION_FAILED, "InternalServerException")
         model.queued += 1
         try:
-            return await self._queued(model, payload, headers, explain)
+            return await self._queued(model, payload, headers, explain, version)
         finally:
             model.queued -= 1
 
-    async def _queued(self, model, payload: bytes, headers, explain: bool) -> Response:
+    async def described(self, model) -> Response:
+        """The handler's describe_handle() answer (gRPC DescribeModel with `customized`), as TorchServe's worker
+        answers it: its JSON (`null` where the handler has none: TorchServe's image_classifier has none, so the image
+        path answers that without asking Triton); 503 where the model has no worker."""
+        if not model.workers or not model.members:
+            return error(503, "no worker", "ServiceUnavailableException")
+        if not model.handler:
+            return Response(b"null", 200, media_type="application/json")
+        model.pending += 1
+        try:
+            return await self._handled(model, b"", {DESCRIBE: "True"}, False)
+        finally:
+            model.pending -= 1
+
+    async def _queued(self, model, payload: bytes, headers, explain: bool, version: str | None) -> Response:
         # TorchServe's job queue: job_queue_size requests may wait beyond those its workers hold (a batch each);
         # past that, 503 at once. Counted here, once a request's body is read (as TorchServe queues a request it
         # has received whole: slow bodies do not fill it), not by a Triton queue policy, which would bring back its
         # batcher's 500 ms stall.
         if not model.members or model.queued > self.job_queue_size + model.batch_size * model.workers:
-            return error(503, f'Model "{model.name}" has no worker to serve inference request. Please use scale '
-                              "workers API to add workers. If this is a sequence inference, please check if it is "
-                              "closed, or expired; or exceeds maxSequenceJobQueueSize", "ServiceUnavailableException")
+            return error(503, no_worker(model.name, version), "ServiceUnavailableException")
         if model.handler:
             return await self._handled(model, payload, headers, explain)
         if explain:  # the image path runs no handler: the archive's own, loaded for explanations (explainers.py)
@@ -213,7 +243,7 @@ class Inference:
         except (KeyError, ValueError) as exc:  # e.g. a class index_to_name.json lacks: TorchServe's handler fails too
             self.log(f"prediction failed for {model.name}: {first_line(exc)}")
             return error(503, PREDICTION_FAILED, "InternalServerException")
-        return reply(answer, end="")
+        return reply(answer, end="", handler=True)
 
     @asynccontextmanager
     async def lifespan(self, app):

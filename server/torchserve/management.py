@@ -169,16 +169,18 @@ class Management:
                     startup_timeout=self.registry.startup_timeout if startup == -1 else startup,
                     handler=_param(params, "handler") or None)
         if not _bool(params, "synchronous", True, log):
-            if "://" in url and not url.startswith("file:"):  # a download may be slow: in the background too
+            if url.lower().startswith(("http://", "https://")):  # a download may be slow: in the background too
                 self._background(self.registry.register, **args)
                 return reply({"status": "Processing worker updates..."}, 202)
             # as TorchServe: the archive read and the model known now, its workers to come
             model = await self._change(self.registry.claim, **args)
+            model.runtime = runtime or model.runtime  # described as registered
             if model.workers:
                 self._background(self.registry.complete, model)
                 return reply({"status": "Processing worker updates..."}, 202)
         else:
             model = await self._change(self.registry.register, **args)
+            model.runtime = runtime or model.runtime
         if not model.workers:
             return reply({"status": f'Model "{model.name}" Version: {model.version} registered with 0 initial '
                                     "workers. Use scale workers API to add workers for the model."})
@@ -192,11 +194,11 @@ class Management:
         limit = 100 if limit < 0 or limit > 100 else limit
         start = max(0, _int(params, "next_page_token", 0, self.registry.log))
         names = sorted(self.registry.models)
-        page = [{"modelName": name, "modelUrl": self.registry.find(name).info.url}
-                for name in names[start:start + limit]]
+        last = (start + limit + 2**31) % 2**32 - 2**31  # a Java int: past 2^31-1 it wraps, as TorchServe's
+        page = [{"modelName": name, "modelUrl": self.registry.find(name).info.url} for name in names[start:last]]
         body = {"models": page}
-        if start + limit <= len(names):
-            body = {"nextPageToken": str(start + limit), **body}
+        if last <= len(names):
+            body = {"nextPageToken": str(last), **body}
         return reply(body)
 
     def _selected(self, path: dict) -> list[Model]:
@@ -224,7 +226,7 @@ class Management:
         low, high = model.bounds or (model.workers, model.workers)
         # TorchServe 0.12's 26 keys, in its order; those for features Triton's batching replaces keep its defaults
         return {"modelName": model.name, "modelVersion": model.version, "modelUrl": model.info.url,
-                "runtime": "python", "minWorkers": low, "maxWorkers": high,
+                "runtime": model.runtime, "minWorkers": low, "maxWorkers": high,
                 "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
                 "responseTimeout": model.response_timeout, "startupTimeout": model.startup_timeout,
                 "maxRetryTimeoutInSec": 300,
@@ -237,13 +239,13 @@ class Management:
 
     async def scale(self, params: Params, path: dict) -> Response:
         log = self.registry.log
-        model = self.registry.find(path["model_name"], path.get("model_version"))
         # As TorchServe 0.12, with the model API off too (it refuses registering and unregistering only); what runs
         # is within min_worker..max_worker (Registry.scale); what max_workers_per_model bounds is min_worker.
         low = _int(params, "min_worker", 1, log)
         high = _int(params, "max_worker", low, log)
-        if low > high:
+        if low > high:  # before the model is looked up, as TorchServe's ApiUtils.updateModelWorkers
             raise BadParameter("max_worker cannot be less than min_worker.")
+        model = self.registry.find(path["model_name"], path.get("model_version"))
         if low < 0:  # TorchServe 0.12 fails it (500, an IndexOutOfBoundsException of its own)
             return error(500, f"Invalid min_worker: {low}: a worker count is 0 or more", "InternalServerException")
         _bounded("min_worker", low, self.registry.max_workers)

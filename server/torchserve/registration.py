@@ -24,6 +24,7 @@ class Model:
     loaded_at_startup: bool
     startup_timeout: int = 120  # seconds its workers may take to start (TorchServe's default_startup_timeout)
     handler_override: str | None = None  # the registration's `handler`, in place of the manifest's (TorchServe's)
+    runtime: str = "python"  # the registration's runtime (TorchServe's RuntimeType), described
     start_time: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
                             + "Z")
     members: list[str] = field(default_factory=list)  # Triton model names, in load order

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -33,13 +34,16 @@ ERROR_TYPES = {400: "BadRequestException", 401: "TokenAuthorizationException", 4
 
 
 def dumps(value) -> str:
-    """JSON as TorchServe prints it: two-space indents, one key per line."""
-    return json.dumps(value, indent=2)
+    """JSON as TorchServe's frontend prints it (Gson, HTML escaping off): two-space indents, one key per line,
+    characters beyond ASCII as they are but for the two line separators Gson escapes."""
+    return json.dumps(value, indent=2, ensure_ascii=False).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
-def reply(value, status: int = 200, end: str = "\n") -> Response:
-    """The frontend's own answers end in a newline; a handler's (predictions) do not."""
-    return Response(dumps(value) + end, status, media_type="application/json")
+def reply(value, status: int = 200, end: str = "\n", handler: bool = False) -> Response:
+    """The frontend's own answers end in a newline; a handler's (predictions) do not, and are Python's json.dumps
+    (`handler`: beyond ASCII escaped)."""
+    text = json.dumps(value, indent=2) if handler else dumps(value)
+    return Response(text + end, status, media_type="application/json")
 
 
 def error(status: int, message: str, kind: str | None = None) -> Response:
@@ -50,6 +54,9 @@ def error(status: int, message: str, kind: str | None = None) -> Response:
 def too_large() -> Response:
     return Response(b"", 413)  # TorchServe's frontend answers an over-size body with an empty 413
 
+
+# TorchServe's TokenAuthorization: "^Bearer\s+(\S+)$" matched whole (Java's \s: ASCII whitespace only)
+BEARER = re.compile(r"Bearer[ \t\n\x0b\f\r]+([^ \t\n\x0b\f\r]+)")
 
 # Answered before any token check, as TorchServe's ApiDescriptionRequestHandler comes first in its chain: the API
 # description (OPTIONS /, /api-description) and the 405 for another method on /.
@@ -78,8 +85,8 @@ class Tokens:
     def allowed(self, headers: dict[bytes, bytes], api: str) -> bool:
         if self.path is None:
             return True
-        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        return scheme == "Bearer" and hmac.compare_digest(given.strip().encode(), self.keys[api].encode())
+        found = BEARER.fullmatch(headers.get(b"authorization", b"").decode("latin-1"))
+        return found is not None and hmac.compare_digest(found.group(1).encode(), self.keys[api].encode())
 
     def guard(self, app, api: str):
         """`app` behind the `api` key (an ASGI wrapper: nothing of the request is read before the check)."""

@@ -166,7 +166,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
             "management": tokens.guard(management.app(), "management"),
             "metrics": Metrics(registry, server.http_url, server.metrics_url).app()}
     services = {"grpc_inference": grpc_api.inference_service(inference, tokens, config.max_request_size),
-                "grpc_management": grpc_api.management_service(management, tokens, config.max_request_size)}
+                "grpc_management": grpc_api.management_service(management, inference, tokens,
+                                                                 config.max_request_size)}
     front = Front(apps, config, services)
     front.start()
     if not front.ready.wait(30) or front.failed:
