@@ -140,7 +140,7 @@ def test_an_explainer_that_fails_to_load_answers_503_and_leaves_the_rest_when_as
     built = tmp_path / "cache" / "build"
     (built / "m_explain" / "1").mkdir(parents=True)
     (built / "m_explain" / "config.pbtxt").write_text('name: "m_explain"\nbackend: "python"\nmax_batch_size: 1\n')
-    monkeypatch.setattr(explainers, "build", lambda *args: (built, BuildResult()))
+    monkeypatch.setattr(explainers, "build_registered", lambda *args: (built, BuildResult()))
     logged: list[str] = []
     registry = type("FakeRegistry", (), {})()
     registry.server, registry.cache, registry.max_pixels = _Triton(tmp_path / "repo"), tmp_path / "cache", None

@@ -203,6 +203,18 @@ def _archive_workers(settings: dict) -> int | None:
     return low if numbers and 0 < low <= high else None
 
 
+def build_registered(info: ArchiveInfo, handler: str | None, triton_name: str, cache: Path, options: list[str],
+                     log=print) -> tuple[Path, BuildResult]:
+    """build() of a registration's archive: with `handler` (TorchServe's `handler` parameter) in place of the
+    manifest's where given, from a copy of the archive that is removed once built."""
+    made = with_handler(info, handler, cache / "handlers") if handler is not None else info
+    try:
+        return build(made, triton_name, cache, options, log)
+    finally:
+        if made is not info:
+            made.path.unlink(missing_ok=True)
+
+
 def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> tuple[Path, BuildResult]:
     """A model repository holding `triton_name` (+ _preprocess, _image) built by build-repo from the archive, and
     build-repo's result (--json: which model is what), cached by the archive's checksum and the build's options: a

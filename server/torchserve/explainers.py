@@ -17,7 +17,7 @@ import shutil
 import time
 
 from server.errors import ServerError
-from server.torchserve.archives import ArchiveProblem, build, link, with_handler
+from server.torchserve.archives import ArchiveProblem, build_registered, link
 
 # Explanations are rare and slow: IntegratedGradients runs n_steps forwards and backwards per image, all at once. One
 # instance, one explanation per handle(): its memory is one image's n_steps (TorchServe's batch would hold a batch's,
@@ -64,7 +64,8 @@ class Explainers:
                        "--max-batch-delay-ms", "0"]
             loading = False
             try:
-                built = self._build(model, name, options)
+                built = build_registered(model.info, model.handler_override, name, registry.cache, options,
+                                         registry.log)[0]
                 target = link(built, name, server.repository)
                 registry._write_config(built / name / "config.pbtxt", target / "config.pbtxt", EXPLAINER_INSTANCES,
                                        at_most=EXPLAINER_INSTANCES, max_pixels=registry.max_pixels)
@@ -80,16 +81,6 @@ class Explainers:
                          f"{model.info.handler!r}, eager PyTorch), loaded on the first one in "
                          f"{time.monotonic() - began:.1f} s")
             return name
-
-    def _build(self, model, name: str, options: list[str]):
-        registry, info = self.registry, model.info
-        if model.handler_override is not None:  # TorchServe's `handler`, applied as registry._start applies it
-            info = with_handler(model.info, model.handler_override, registry.cache / "handlers")
-        try:
-            return build(info, name, registry.cache, options, registry.log)[0]
-        finally:
-            if info is not model.info:
-                info.path.unlink(missing_ok=True)
 
     def unload(self, model) -> None:
         """`model`'s explainer unloaded and its folder removed, where one was loaded (after a load in flight)."""

@@ -12,8 +12,8 @@ from pathlib import Path
 from common.modelconfig import read_config, served, to_text
 from server import canary
 from server.errors import ServerError
-from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveProblem, build, downloaded, inspect, link, locate,
-                                        prune, with_handler)
+from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveProblem, build_registered, downloaded, inspect,
+                                        link, locate, prune)
 from server.torchserve.explainers import Explainers
 from server.torchserve.naming import NAME, triton_base, triton_names
 from server.torchserve.registration import Model
@@ -125,18 +125,12 @@ class Registry:
         if model.startup_timeout <= 0:  # TorchServe: no worker starts in 0 s
             self.log(f"{model.name} {model.version}: startup_timeout={model.startup_timeout}: no worker can start")
             raise failed
-        info = model.info
-        if model.handler_override is not None:  # TorchServe's `handler`: the manifest's handler replaced
-            info = with_handler(model.info, model.handler_override, self.cache / "handlers")
-        try:
-            # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall
-            # (docs/performance.md); job_queue_size is bounded in the front instead (Model.pending).
-            options = [*self.build_options, "--max-batch-size", str(model.batch_size), "--max-batch-delay-ms",
-                       str(model.max_batch_delay)]
-            built, result = build(info, model.triton, self.cache, options, self.log)
-        finally:
-            if info is not model.info:
-                info.path.unlink(missing_ok=True)
+        # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall
+        # (docs/performance.md); job_queue_size is bounded in the front instead (Model.pending).
+        options = [*self.build_options, "--max-batch-size", str(model.batch_size), "--max-batch-delay-ms",
+                   str(model.max_batch_delay)]
+        built, result = build_registered(model.info, model.handler_override, model.triton, self.cache, options,
+                                         self.log)
         in_use = {built} | {m.built for m in self.all() if m.built} | {m.explainer_built for m in self.all()}
         for removed in prune(self.cache, in_use - {None}):
             self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")
