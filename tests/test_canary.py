@@ -139,7 +139,7 @@ def test_torchserve_front_refuses_a_registration_with_500_when_its_model_answers
     from common.build_result import BuildResult, BuiltModel
 
     result = BuildResult(str(built), (BuiltModel(SMALL, "classifier"),))  # build-repo --json's, for that folder
-    monkeypatch.setattr(registered, "build", lambda *args, **options: (built, result))
+    monkeypatch.setattr(registered, "build_registered", lambda *args, **options: (built, result))
     (tmp_path / "served").mkdir()
     server = start_server(tmp_path / "served")
     lines = []
