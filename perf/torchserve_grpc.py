@@ -2,24 +2,30 @@
 
 One ResNet-152 archive (torchvision, random weights seed 0, TorchServe's image_classifier handler), registered
 through each server's management API with the seed walkthrough's values (batch_size=8, max_batch_delay=10,
-initial_workers=1); one photo; closed-loop clients (perf.torchserve_bench's), each with a gRPC channel of its own
-(`InferenceAPIsService.Predictions`, TorchServe's inference.proto) or a keep-alive HTTP connection (REST
-/predictions). Both servers are up the whole sitting, and the measurements alternate between them in rounds (the
-first server of a round alternates, and which API goes first), so that a drift in the machine's other load falls on
-both: each round measures c=1 p50 and c=8 throughput, gRPC and REST, on serve-repo's TorchServe front and on
-TorchServe 0.12. The ratios are of the rounds' totals (images over seconds, latencies' medians); each round's own
-ratios are listed.
+initial_workers=1); one photo. Both servers are up the whole sitting; each is first warmed up (`--settle` seconds at
+c=8 over both APIs, not measured: a model just registered, and the other server's start, make the first minutes
+slower). Then rounds, each measuring on serve-repo's TorchServe front and on TorchServe 0.12 (the first server of a
+round alternates, so that a drift in the machine's other load falls on both):
+- c=1, gRPC against REST: one client sending its requests alternately over gRPC (`InferenceAPIsService.Predictions`,
+  TorchServe's inference.proto, a channel of its own) and over REST (/predictions, a keep-alive HTTP connection),
+  which one goes first alternating pair by pair: both APIs see the same machine, request by request, so that their
+  difference is the API's, not the minute's;
+- c=8 throughput: closed-loop clients (perf.torchserve_bench's), gRPC then REST (REST first in every other round).
+The ratios are of the rounds' totals (images over seconds, latencies' medians); each round's own ratios are listed.
 
-    python -m perf.torchserve_grpc                                   # 4 rounds of 25 s per measurement
-    python -m perf.torchserve_grpc --rounds 1 --seconds 3 --warmup 1  # a quick look
+    python -m perf.torchserve_grpc                                              # 4 rounds of 25 s per measurement
+    python -m perf.torchserve_grpc --rounds 1 --seconds 3 --warmup 1 --settle 2  # a quick look
 """
 from __future__ import annotations
 
+import http.client
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -28,7 +34,7 @@ from perf import torchserve
 from perf.samples import CAT
 from perf.serve import TorchServeFront
 from perf.torchserve_api import _call, register
-from perf.torchserve_bench import closed_loop, closed_loop_of, cpu, cpu_slug, versions
+from perf.torchserve_bench import _number, closed_loop, closed_loop_of, cpu, cpu_slug, post, versions
 
 NAME = "resnet152"
 
@@ -56,17 +62,86 @@ def grpc_loop(address: str, model: str, body: bytes, concurrency: int, seconds: 
     return closed_loop_of(connect, concurrency, seconds, warmup, json.loads)
 
 
+def interleaved(rest_url: str, grpc_address: str, model: str, body: bytes, seconds: float, warmup: float) -> dict:
+    """c=1 over both APIs from one client, request by request: gRPC then REST, REST then gRPC, and so on; each API's
+    latencies as closed_loop_of's point (requests, p50_ms, ...) of the measured window."""
+    import grpc
+
+    from server.torchserve.proto import inference_pb2, inference_pb2_grpc
+
+    host = urlsplit(rest_url)
+    conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+    channel = grpc.insecure_channel(grpc_address)
+    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+    request = inference_pb2.PredictionsRequest(model_name=model, input={"data": body})
+
+    def rest() -> bool:
+        try:
+            return post(conn, f"/predictions/{model}", body)[0] == 200
+        except (OSError, http.client.HTTPException):
+            conn.close()
+            return False
+
+    def grpc_call() -> bool:
+        try:
+            return bool(stub.Predictions(request, timeout=300).prediction)
+        except grpc.RpcError:
+            return False
+
+    calls = {"grpc": grpc_call, "rest": rest}
+    found = {api: [] for api in calls}
+    errors = {api: 0 for api in calls}
+    load_before = os.getloadavg()[0]
+    begin = time.perf_counter()
+    measure, end = begin + warmup, begin + warmup + seconds
+    pair = 0
+    try:
+        while time.perf_counter() < end:
+            for api in (("grpc", "rest") if pair % 2 == 0 else ("rest", "grpc")):
+                sent = time.perf_counter()
+                good = calls[api]()
+                done = time.perf_counter()
+                if measure <= sent and good:
+                    found[api].append((done - sent) * 1000)
+                elif measure <= sent:
+                    errors[api] += 1
+            pair += 1
+    finally:
+        conn.close()
+        channel.close()
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+
+    def point(api: str) -> dict:
+        lat = np.array(found[api] or [np.nan])
+        return {"concurrency": 1, "seconds": seconds, "warmup_seconds": warmup, "requests": len(found[api]),
+                "errors": errors[api], "loadavg_1min": load, "interleaved_with": "rest" if api == "grpc" else "grpc",
+                **{f"p{q}_ms": _number(np.percentile(lat, q), 1) for q in (50, 95, 99)}}
+
+    return {api: point(api) for api in calls}
+
+
 def measured(rest_url: str, grpc_address: str, body: bytes, level: int, args, rest_first: bool) -> dict:
-    """One c=`level` point over gRPC and one over REST, in that order unless `rest_first`."""
+    """One c=`level` point over gRPC and one over REST: c=1 interleaved; else gRPC first unless `rest_first`."""
+    if level == 1:
+        return interleaved(rest_url, grpc_address, NAME, body, args.seconds, args.warmup)
     ways = {"grpc": lambda: grpc_loop(grpc_address, NAME, body, level, args.seconds, args.warmup),
             "rest": lambda: closed_loop(rest_url, NAME, body, level, args.seconds, args.warmup)}
     return {api: ways[api]() for api in (("rest", "grpc") if rest_first else ("grpc", "rest"))}
+
+
+def settled(servers: dict, body: bytes, seconds: float) -> None:
+    """Each server at c=8 for `seconds`, half over gRPC, half over REST; nothing kept."""
+    for name, (rest_url, grpc_address) in servers.items():
+        grpc_loop(grpc_address, NAME, body, 8, seconds / 2, 0)
+        closed_loop(rest_url, NAME, body, 8, seconds / 2, 0)
+        print(f"  settled {name} ({seconds:.0f} s at c=8)", file=sys.stderr)
 
 
 def rounds(servers: dict, body: bytes, args) -> list[dict]:
     """`args.rounds` rounds, each: every server at c=1 and c=8, gRPC and REST; which server comes first and which API
     comes first alternate from round to round (what follows another load measures slower: an even count of rounds
     gives both the same share)."""
+    settled(servers, body, args.settle)
     done = []
     for index in range(args.rounds):
         order = list(servers) if index % 2 == 0 else list(servers)[::-1]
@@ -77,7 +152,7 @@ def rounds(servers: dict, body: bytes, args) -> list[dict]:
                            for level in (1, 8)}
             for level, point in found[name].items():
                 print(f"  round {index + 1} {name} {level}: " + ", ".join(
-                    f"{api} {p['img_per_s']} img/s p50 {p['p50_ms']} ms errors {p['errors']} load "
+                    f"{api} {p.get('img_per_s', '-')} img/s p50 {p['p50_ms']} ms errors {p['errors']} load "
                     f"{p['loadavg_1min']}" for api, p in point.items()), file=sys.stderr)
         done.append(found)
     return done
@@ -137,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4, help="Default: 4.")
     p.add_argument("--seconds", type=float, default=25, help="per measurement. Default: 25.")
     p.add_argument("--warmup", type=float, default=5, help="seconds before each. Default: 5.")
+    p.add_argument("--settle", type=float, default=60,
+                   help="seconds of c=8 on each server before the first round, not measured. Default: 60.")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", type=Path, help="JSON to write. Default: perf/results/torchserve-grpc-CPU.json")
     args = p.parse_args(argv)
@@ -148,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"machine": machine,
               "command": " ".join(["python -m perf.torchserve_grpc", *(sys.argv[1:] if argv is None else argv)]),
               "rounds": args.rounds, "seconds": args.seconds, "warmup_seconds": args.warmup,
+              "settle_seconds": args.settle,
               "image": f"{CAT.name} ({len(body)} bytes)"}
     with tempfile.TemporaryDirectory(prefix="ts-grpc-bench-") as tmp:
         store = Path(tmp) / "model_store"

@@ -11,6 +11,11 @@ from pathlib import Path
 _LOAD_FAILURE = re.compile(r"failed to load '([^']+)' version \d+: (.*)")
 # What a CPU-only machine always logs; never the reason for a failure.
 _HARMLESS = ("CudaDriverHelper", "NVML", "DCGM", "CUDA driver version is insufficient")
+# Its answer to an argument it cannot parse: "Usage: tritonserver [options]", sections ("Model Repository:") of
+# options ("  --http-port <integer>", their descriptions indented), with why before or after
+_USAGE = "Usage: tritonserver"
+_OPTION = re.compile(r"  --[\w-]+( <[^>]*>)?$")
+_SECTION = re.compile(r"[A-Z][\w /]*:$")
 # How a process says it crashed (C++ exceptions, fatal signals, the kernel's OOM answer): these come first.
 _CRASH = re.compile(r"terminate called|what\(\)|std::bad_alloc|Signal \(\d+\) received|Segmentation fault|"
                     r"Aborted|core dumped|out of memory", re.IGNORECASE)
@@ -19,7 +24,7 @@ _CRASH = re.compile(r"terminate called|what\(\)|std::bad_alloc|Signal \(\d+\) re
 class TritonLog:
     """The last lines tritonserver wrote (all of them go to `path`)."""
 
-    def __init__(self, path: Path | None = None, keep: int = 400):
+    def __init__(self, path: Path | None = None, keep: int = 1000):  # more than its usage's 404 lines
         self.path = path
         self._tail: collections.deque[str] = collections.deque(maxlen=keep)
         self.write_error: str | None = None  # why the file stopped being written, if it did
@@ -76,13 +81,22 @@ class TritonLog:
         crash = [line.strip() for line in self._tail if _CRASH.search(line)]
         return " | ".join(dict.fromkeys(crash[-4:]))
 
-    def reason(self) -> str:
-        """Triton's own words for a failure: a crash's last words, why each model failed to load, or its
-        error lines."""
+    def reason(self, command: list[str] | None = None) -> str:
+        """Triton's own words for a failure: a crash's last words, why each model failed to load, why it refused
+        its arguments (and its `command`, the admin key masked), or its error lines."""
         crash = self.crash_lines()
         if crash:
             return crash
         lines = list(self._tail)
+        options = [line for line in lines if _OPTION.match(line)]
+        if len(options) >= 20:
+            # an argument refused: tritonserver prints its usage (400 lines, some naming "error"), and why: before
+            # it (getopt's words) or after it (a value it cannot read)
+            said = [line.strip() for line in lines if line.strip() and not line[0].isspace()
+                    and not line.startswith(_USAGE) and not _SECTION.match(line)]
+            shown = " ".join(re.sub(r"(triton-admin-key=)\S+", r"\1...", arg) for arg in command or ())
+            return (f"it refused its arguments: {' | '.join(said[-3:]) or 'no reason given'}"
+                    + (f" (its command: {shown})" if shown else ""))
         failed = [m.group(1) + ": " + m.group(2).split("\\n")[0].strip()
                   for m in map(_LOAD_FAILURE.search, lines) if m]
         if failed:

@@ -173,7 +173,8 @@ class TritonServer:
         self.log.clear()
         self.returncode = None
         compile_bytecode(self.repository)  # for the stub's interpreter, before Triton sees the files
-        self._process = subprocess.Popen(with_parent_death(self.command(), os.getpid()), stdout=subprocess.PIPE,
+        command = self.command()
+        self._process = subprocess.Popen(with_parent_death(command, os.getpid()), stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.served_files = {name: fingerprint(self.repository / name) for name in self.loaded}
         self._pump_thread = threading.Thread(target=self.log.pump, args=(self._process,), daemon=True)
@@ -184,7 +185,7 @@ class TritonServer:
                 self._pump_thread.join(5)  # so reason() sees Triton's last words
                 status = self._process.returncode
                 self._reap()
-                raise ServerError(f"tritonserver exited with status {status}: {self.reason()}")
+                raise ServerError(f"tritonserver exited with status {status}: {self.log.reason(command)}")
             if self.ready() and self._metrics_listening():
                 return self
             if abort is None:

@@ -123,3 +123,30 @@ def test_serve_repo_keeps_the_log_it_names_when_it_gives_up_after_tritonserver_e
     log = Path(line.rsplit("; log ", 1)[1])
     assert log.is_file() and "Signal (15) received" in log.read_text()
     shutil.rmtree(log.parent)
+
+
+def test_a_start_whose_arguments_tritonserver_refuses_names_its_reason_and_command(tmp_path):
+    """tritonserver answers an argument it cannot parse with its 400-line usage (lines naming "error" among them),
+    then why: serve-repo's error is that last line and the command, not the usage's lines."""
+    from server.errors import ServerError
+
+    (tmp_path / "repo").mkdir()
+    server = triton.TritonServer.local(tmp_path / "repo", extra_args=["--http-thread-count=many"])
+    with pytest.raises(ServerError) as refused:
+        server.start(timeout=60)
+    said = str(refused.value)
+    assert said.startswith("tritonserver exited with status 1: it refused its arguments: "), said
+    assert "Invalid option value. Got many (its command: " in said and " --http-thread-count=many)" in said, said
+    assert "error-level" not in said and "Management:" not in said, said
+    assert server.admin_key and server.admin_key not in said and "triton-admin-key=..." in said, said
+
+
+def test_a_start_with_an_option_tritonserver_does_not_know_names_getopts_words(tmp_path):
+    from server.errors import ServerError
+
+    (tmp_path / "repo").mkdir()
+    server = triton.TritonServer.local(tmp_path / "repo", extra_args=["--no-such-option"])
+    with pytest.raises(ServerError) as refused:
+        server.start(timeout=60)
+    assert "it refused its arguments: " in str(refused.value), refused.value
+    assert "unrecognized option '--no-such-option'" in str(refused.value), refused.value
