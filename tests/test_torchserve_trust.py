@@ -1,14 +1,18 @@
 """TorchServe's trust, TorchServe's rules (issue 44): a store that TorchServe 0.12 serves is served unchanged, with no
 --trust-model-code: its MNIST example (a model file and a custom handler) and a densenet161-like archive (its
 model.py overrides load_state_dict) register at start and answer as TorchServe answers; an archive downloaded from
-a URL that allowed_urls admits runs its code too, as TorchServe runs it."""
+a URL that allowed_urls admits runs its code too, as TorchServe runs it. And a custom handler's stub killed with a
+batch in flight does not hold up the model's unregistration."""
 from __future__ import annotations
 
 import functools
 import http.server
 import json
+import os
 import shutil
+import signal
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +52,22 @@ class ImageClassifier(DenseNet):
         return super(ImageClassifier, self).load_state_dict(state_dict, strict)
 '''
 
+# A body naming a file: the handler creates it, then holds its batch (the stub is killed meanwhile)
+SLOW_HANDLER = '''
+import time
+from pathlib import Path
+
+
+def handle(data, context):
+    if data is None:
+        return None
+    for row in data:
+        if row.get("body", b"").startswith(b"/"):
+            Path(row["body"].decode()).touch()
+            time.sleep(60)
+    return [{"ok": True} for _ in data]
+'''
+
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
@@ -74,6 +94,9 @@ def store(tmp_path_factory) -> Path:
     run_archiver("--model-name", "tiny-densenet", "--version", "1.0", "--model-file", str(src / "model.py"),
                  "--serialized-file", str(src / "densenet.pth"), "--handler", "image_classifier",
                  "--extra-files", str(src / "index_to_name.json"), "--export-path", str(store))
+    (src / "slow_handler.py").write_text(SLOW_HANDLER)
+    run_archiver("--model-name", "slow", "--version", "1.0", "--handler", str(src / "slow_handler.py"),
+                 "--export-path", str(store))
     return store
 
 
@@ -131,3 +154,37 @@ def test_an_archive_downloaded_from_an_allowed_url_runs_its_code_as_under_torchs
     assert status == 200, body
     assert call("POST", f"{front.inference_url}/predictions/mnist_dl", DIGIT.read_bytes()) == reference["mnist"]
     assert (store / "mnist-downloaded.mar").is_file()  # downloaded into the store, as TorchServe does
+
+
+def test_a_model_whose_stub_died_with_a_batch_in_flight_is_unregistered_and_registered_again(front, store, tmp_path):
+    """Triton 2.51 never ends the unload of a model one of whose stubs died with a batch in flight, even once its
+    instances were replaced: DELETE answers once nothing of ours is in flight and it has been unloading 10 s (it
+    waited the whole 120 s); the name registers again, as a new copy, and answers."""
+    from server.procfs import stubs_of
+
+    registering = f"{front.management_url}/models?url=slow.mar&initial_workers=1&synchronous=true"
+    assert call("POST", registering)[0] == 200
+    inside = tmp_path / "in-the-batch"
+    answers = []
+    sending = threading.Thread(target=lambda: answers.append(
+        call("POST", f"{front.inference_url}/predictions/slow", str(inside).encode())))
+    sending.start()
+    deadline = time.monotonic() + 120
+    while not inside.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert inside.exists(), front.lines[-5:]
+    stub = next(s for s in stubs_of(front.triton_pid) if s.model == "slow" and s.serves and s.alive)
+    mark = len(front.lines)
+    os.kill(stub.pid, signal.SIGKILL)
+    sending.join(120)
+    assert answers and answers[0][0] == 503, answers  # TorchServe's "Prediction failed"
+    front.wait_for("slow: ready again", 120, mark)
+    assert call("POST", f"{front.inference_url}/predictions/slow", b"x") == (200, b'{\n  "ok": true\n}')
+    assert call("DELETE", f"{front.management_url}/models/slow")[0] == 200
+    assert front.seen("unloading slow: still unloading after 10 s with no request of ours in flight", mark)
+    assert not front.seen("not unloaded after 120 s", mark), front.lines[mark:]
+    assert call("POST", registering)[0] == 200
+    assert call("POST", f"{front.inference_url}/predictions/slow", b"x") == (200, b'{\n  "ok": true\n}')
+    again = len(front.lines)
+    assert call("DELETE", f"{front.management_url}/models/slow")[0] == 200
+    assert not front.seen("unloading slow", again), front.lines[again:]  # a healthy copy unloads in time

@@ -280,16 +280,32 @@ class Registry:
         self._remove(members)
         self.explainers.unload(model)  # its explanations' model too, where one was loaded
 
-    def _wait_unloaded(self, members: list[str], limit: float = 120) -> None:
+    def _wait_unloaded(self, members: list[str], limit: float = 120, stuck: float = 10) -> None:
+        """Until Triton has unloaded `members`, at most `limit` s; one still UNLOADING after `stuck` s with nothing of
+        the front's in flight is not waited for: Triton 2.51 never ends the unload of a model one of whose stubs died
+        with a batch in flight (server/supervisor.py), even after its instances were replaced (a DELETE waited the
+        whole 120 s). A new load of the name is a new copy, and answers."""
         deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
+        unloading: dict[str, float] = {}
+        while members and time.monotonic() < deadline:
             try:
                 states = {e.get("name"): e.get("state") for e in self.server.index()}
             except ServerError:
                 return
-            if not any(states.get(m) in ("READY", "UNLOADING", "LOADING") for m in members):
-                return
-            time.sleep(0.2)
+            members = [m for m in members if states.get(m) in ("READY", "UNLOADING", "LOADING")]
+            now = time.monotonic()
+            for member in members:
+                since = unloading.setdefault(member, now) if states[member] == "UNLOADING" else None
+                if since is None:
+                    unloading.pop(member, None)
+                elif now - since >= stuck:
+                    self.log(f"unloading {member}: still unloading after {stuck:.0f} s with no request of ours in "
+                             "flight (a stub died with a batch in flight: Triton never ends it): not waited for")
+                    members = [m for m in members if m != member]
+            if members:
+                time.sleep(0.2)
+        if members:
+            self.log(f"unloading {', '.join(members)}: not unloaded after {limit:.0f} s")
 
     def _remove(self, members: list[str]) -> None:
         for member in members:
