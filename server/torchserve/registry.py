@@ -281,10 +281,10 @@ class Registry:
         self.explainers.unload(model)  # its explanations' model too, where one was loaded
 
     def _wait_unloaded(self, members: list[str], limit: float = 120, stuck: float = 10) -> None:
-        """Until Triton has unloaded `members`, at most `limit` s; one still UNLOADING after `stuck` s with nothing of
-        the front's in flight is not waited for: Triton 2.51 never ends the unload of a model one of whose stubs died
-        with a batch in flight (server/supervisor.py), even after its instances were replaced (a DELETE waited the
-        whole 120 s). A new load of the name is a new copy, and answers."""
+        """Until Triton has unloaded `members`, at most `limit` s (called once the front's requests to them are
+        answered, or past their response_timeout); one still UNLOADING after `stuck` s is not waited for: Triton 2.51
+        never ends the unload of a model one of whose stubs died with a batch in flight (server/supervisor.py), even
+        after its instances were replaced (a DELETE waited the whole 120 s). A new load of the name is a new copy."""
         deadline = time.monotonic() + limit
         unloading: dict[str, float] = {}
         while members and time.monotonic() < deadline:
@@ -299,8 +299,8 @@ class Registry:
                 if since is None:
                     unloading.pop(member, None)
                 elif now - since >= stuck:
-                    self.log(f"unloading {member}: still unloading after {stuck:.0f} s with no request of ours in "
-                             "flight (a stub died with a batch in flight: Triton never ends it): not waited for")
+                    self.log(f"unloading {member}: still unloading after {stuck:.0f} s (a stub that "
+                             "died with a batch in flight: Triton never ends it): not waited for")
                     members = [m for m in members if m != member]
             if members:
                 time.sleep(0.2)
