@@ -37,7 +37,8 @@ class Supervisor:
     - tritonserver died: log its last words, restart at once, then with backoff (0.5 s, 1 s, 2 s, ... 30 s);
       give up after `max_restarts` restarts that each lived less than `stable_seconds`. The same for the proxy.
     - a stub died while its model is READY: its instances are replaced in place (reload).
-    - more than `max_unfreed` dead stubs left unreaped for `unfreed_grace` s (instances Triton never freed):
+    - more than `max_unfreed` dead stubs left unreaped for `unfreed_grace` s (instances Triton never freed), the
+      live stubs of a copy whose unload never ends (server.abandoned: the TorchServe front's) counted with them:
       tritonserver is stopped (drained) and started again; 0: never.
     """
 
@@ -170,7 +171,8 @@ class Supervisor:
     def check_stubs(self, stubs: list | None = None) -> list[str]:
         """Find stubs that died under a READY model (`stubs`: server.stubs(), read now where None); reload those
         models. Returns the models reloaded."""
-        stubs = [s for s in (self.server.stubs() if stubs is None else stubs) if s.zombie or s.serves]
+        stubs = [s for s in (self.server.stubs() if stubs is None else stubs)
+                 if (s.zombie or s.serves) and s.pid not in self.server.abandoned]  # not a stuck copy's (its name's)
         alive = {(s.model, s.instance) for s in stubs if s.alive}
         by_pid = {s.pid: s for s in stubs}
         for pid, key in list(self._known.items()):
@@ -208,13 +210,15 @@ class Supervisor:
     def check_unfreed(self, stubs: list | None = None) -> bool:
         """Restart tritonserver (drained) once it holds more than max_unfreed instances it never freed."""
         now = time.monotonic()
-        dead = {s.pid for s in (self.server.stubs() if stubs is None else stubs) if s.zombie}
+        stubs = self.server.stubs() if stubs is None else stubs
+        self.server.abandoned &= {s.pid for s in stubs if s.alive}  # the rest are gone
+        dead = {s.pid for s in stubs if s.zombie} | self.server.abandoned
         self._zombies = {pid: self._zombies.get(pid, now) for pid in dead}
         kept = [pid for pid, since in self._zombies.items() if now - since >= self.unfreed_grace]
         if not self.max_unfreed or len(kept) <= self.max_unfreed:
             return False
-        self._planned = (f"{len(kept)} dead instances it never freed (their stubs died with a batch in flight; "
-                         "python_backend 24.10 keeps their threads and shared memory)")
+        self._planned = (f"{len(kept)} instances it never freed (stubs that died with a batch in flight, or of a "
+                         "model whose unload never ended; python_backend 24.10 keeps their threads and shared memory)")
         self.log(f"serve-repo: stopping tritonserver to free {self._planned}; draining for up to "
                  f"{self.server.drain_seconds:g}s")
         self.server.terminate()

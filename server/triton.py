@@ -67,6 +67,7 @@ class TritonServer:
         # In Triton's "none" mode the repository API is closed to clients; we keep a key for ourselves
         # (the supervisor reloads a model whose stub died).
         self.admin_key = secrets.token_hex(16) if model_control == "none" else None
+        self.abandoned: set[int] = set()  # live stubs of a copy whose unload never ends: counted as never freed
 
     @classmethod
     def local(cls, repository, **options) -> "TritonServer":

@@ -292,7 +292,8 @@ def test_proxy_that_keeps_dying_is_restarted_with_backoff_then_given_up_naming_i
 
     from server.supervisor import Supervisor
 
-    server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"))
+    server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"),
+                             abandoned=set())
     proxy, lines = _DyingProxy(), []
     supervisor = Supervisor(server, max_restarts=3, poll_seconds=0.01, log=lines.append, proxy=proxy)
     stop = threading.Event()
@@ -324,7 +325,8 @@ def test_proxy_whose_start_keeps_failing_is_given_up_naming_why_it_did_not_start
             self.starts += 1
             raise ServerError("http port 8000 on 0.0.0.0 is busy; choose another with --http-port")
 
-    server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"))
+    server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"),
+                             abandoned=set())
     proxy = Refused()
     supervisor = Supervisor(server, max_restarts=2, poll_seconds=0.01, log=lambda line: None, proxy=proxy)
     stop = threading.Event()
@@ -336,3 +338,21 @@ def test_proxy_whose_start_keeps_failing_is_given_up_naming_why_it_did_not_start
         timer.cancel()
     assert proxy.starts == 2
     assert supervisor.failure.startswith("the proxy did not start again: http port 8000 on 0.0.0.0 is busy")
+
+
+def test_live_stubs_of_a_copy_whose_unload_never_ends_count_as_instances_never_freed(small_repo, start_server):
+    """server.abandoned (where the TorchServe front gave up on an unload Triton never ends): those live stubs count
+    with the dead ones past max_unfreed, and a drained restart frees them; pids no longer running are dropped."""
+    from server.supervisor import Supervisor
+
+    server = start_server(small_repo, drain_seconds=1)
+    lines = []
+    supervisor = Supervisor(server, log=lines.append, max_unfreed=1, unfreed_grace=0)
+    stubs = [stub.pid for stub in server.stubs() if stub.alive and stub.serves]
+    assert len(stubs) >= 2, stubs
+    assert not supervisor.check_unfreed()  # nothing abandoned, nothing dead
+    server.abandoned.update({stubs[0], 2 ** 22 + 1})  # one live stub, and a pid that is no stub of this server
+    assert not supervisor.check_unfreed() and server.abandoned == {stubs[0]}  # 1: not more than max_unfreed
+    server.abandoned.add(stubs[1])
+    assert supervisor.check_unfreed()
+    assert lines[-1].startswith("serve-repo: stopping tritonserver to free 2 instances it never freed"), lines

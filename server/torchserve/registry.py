@@ -302,6 +302,9 @@ class Registry:
                     self.log(f"unloading {member}: still unloading after {stuck:.0f} s (a stub that "
                              "died with a batch in flight: Triton never ends it): not waited for")
                     members = [m for m in members if m != member]
+                    # its stubs never end either: counted as instances never freed (server/supervisor.py)
+                    self.server.abandoned.update(stub.pid for stub in self.server.stubs()
+                                                 if stub.alive and stub.model == member)
             if members:
                 time.sleep(0.2)
         if members:
