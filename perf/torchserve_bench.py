@@ -65,27 +65,28 @@ def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int,
     return reply.status, reply.read()
 
 
-def closed_loop(url: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
-    """`concurrency` clients, each POSTing `body` to /predictions/MODEL when its last answer has come."""
+def rest_client(url: str, model: str, body: bytes):
+    """One client's (send, close) POSTing `body` to /predictions/MODEL: send() -> (error or "", answer). One
+    keep-alive connection, as a real client pool holds; reopened after a failure."""
     host = urlsplit(url)
     path = f"/predictions/{model}"
+    conn = [http.client.HTTPConnection(host.hostname, host.port, timeout=300)]
 
-    def connect():
-        # One keep-alive connection per client, as a real client pool holds; reopened after a failure.
-        conn = [http.client.HTTPConnection(host.hostname, host.port, timeout=300)]
+    def send() -> tuple[str, bytes]:
+        try:
+            status, answer = post(conn[0], path, body)
+            return ("" if status == 200 else f"HTTP {status}: {answer[:200].decode(errors='replace')}"), answer
+        except (OSError, http.client.HTTPException) as exc:
+            conn[0].close()
+            conn[0] = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+            return f"{type(exc).__name__}: {exc}", b""
 
-        def send() -> tuple[str, bytes]:
-            try:
-                status, answer = post(conn[0], path, body)
-                return ("" if status == 200 else f"HTTP {status}: {answer[:200].decode(errors='replace')}"), answer
-            except (OSError, http.client.HTTPException) as exc:
-                conn[0].close()
-                conn[0] = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
-                return f"{type(exc).__name__}: {exc}", b""
+    return send, lambda: conn[0].close()
 
-        return send, lambda: conn[0].close()
 
-    return closed_loop_of(connect, concurrency, seconds, warmup, json.loads)
+def closed_loop(url: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
+    """`concurrency` clients, each POSTing `body` to /predictions/MODEL when its last answer has come."""
+    return closed_loop_of(lambda: rest_client(url, model, body), concurrency, seconds, warmup, json.loads)
 
 
 def closed_loop_of(connect, concurrency: int, seconds: float, warmup: float, decode=lambda answer: answer) -> dict:

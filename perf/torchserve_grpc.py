@@ -18,14 +18,12 @@ The ratios are of the rounds' totals (images over seconds, latencies' medians); 
 """
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -34,63 +32,41 @@ from perf import torchserve
 from perf.samples import CAT
 from perf.serve import TorchServeFront
 from perf.torchserve_api import _call, register
-from perf.torchserve_bench import _number, closed_loop, closed_loop_of, cpu, cpu_slug, post, versions
+from perf.torchserve_bench import _number, closed_loop, closed_loop_of, cpu, cpu_slug, rest_client, versions
 
 NAME = "resnet152"
 
 
-def grpc_loop(address: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
-    """`concurrency` clients, each calling Predictions on a channel of its own when its last answer has come."""
+def grpc_client(address: str, model: str, body: bytes):
+    """One client's (send, close) calling Predictions on a channel of its own: send() -> (error or "", answer)."""
     import grpc
 
     from server.torchserve.proto import inference_pb2, inference_pb2_grpc
 
     request = inference_pb2.PredictionsRequest(model_name=model, input={"data": body})
+    channel = grpc.insecure_channel(address)
+    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
 
-    def connect():
-        channel = grpc.insecure_channel(address)
-        stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+    def send() -> tuple[str, bytes]:
+        try:
+            return "", stub.Predictions(request, timeout=300).prediction
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}", b""
 
-        def send() -> tuple[str, bytes]:
-            try:
-                return "", stub.Predictions(request, timeout=300).prediction
-            except grpc.RpcError as exc:
-                return f"{exc.code().name}: {exc.details()}", b""
+    return send, channel.close
 
-        return send, channel.close
 
-    return closed_loop_of(connect, concurrency, seconds, warmup, json.loads)
+def grpc_loop(address: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
+    """`concurrency` clients, each calling Predictions on a channel of its own when its last answer has come."""
+    return closed_loop_of(lambda: grpc_client(address, model, body), concurrency, seconds, warmup, json.loads)
 
 
 def interleaved(rest_url: str, grpc_address: str, model: str, body: bytes, seconds: float, warmup: float) -> dict:
     """c=1 over both APIs from one client, request by request: gRPC then REST, REST then gRPC, and so on; each API's
     latencies as closed_loop_of's point (requests, p50_ms, ...) of the measured window."""
-    import grpc
-
-    from server.torchserve.proto import inference_pb2, inference_pb2_grpc
-
-    host = urlsplit(rest_url)
-    conn = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
-    channel = grpc.insecure_channel(grpc_address)
-    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
-    request = inference_pb2.PredictionsRequest(model_name=model, input={"data": body})
-
-    def rest() -> bool:
-        try:
-            return post(conn, f"/predictions/{model}", body)[0] == 200
-        except (OSError, http.client.HTTPException):
-            conn.close()
-            return False
-
-    def grpc_call() -> bool:
-        try:
-            return bool(stub.Predictions(request, timeout=300).prediction)
-        except grpc.RpcError:
-            return False
-
-    calls = {"grpc": grpc_call, "rest": rest}
-    found = {api: [] for api in calls}
-    errors = {api: 0 for api in calls}
+    clients = {"grpc": grpc_client(grpc_address, model, body), "rest": rest_client(rest_url, model, body)}
+    found = {api: [] for api in clients}
+    errors = {api: 0 for api in clients}
     load_before = os.getloadavg()[0]
     begin = time.perf_counter()
     measure, end = begin + warmup, begin + warmup + seconds
@@ -99,16 +75,16 @@ def interleaved(rest_url: str, grpc_address: str, model: str, body: bytes, secon
         while time.perf_counter() < end:
             for api in (("grpc", "rest") if pair % 2 == 0 else ("rest", "grpc")):
                 sent = time.perf_counter()
-                good = calls[api]()
+                error, _ = clients[api][0]()
                 done = time.perf_counter()
-                if measure <= sent and good:
+                if measure <= sent and not error:
                     found[api].append((done - sent) * 1000)
                 elif measure <= sent:
                     errors[api] += 1
             pair += 1
     finally:
-        conn.close()
-        channel.close()
+        for _, close in clients.values():
+            close()
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
 
     def point(api: str) -> dict:
@@ -117,7 +93,7 @@ def interleaved(rest_url: str, grpc_address: str, model: str, body: bytes, secon
                 "errors": errors[api], "loadavg_1min": load, "interleaved_with": "rest" if api == "grpc" else "grpc",
                 **{f"p{q}_ms": _number(np.percentile(lat, q), 1) for q in (50, 95, 99)}}
 
-    return {api: point(api) for api in calls}
+    return {api: point(api) for api in clients}
 
 
 def measured(rest_url: str, grpc_address: str, body: bytes, level: int, args, rest_first: bool) -> dict:
