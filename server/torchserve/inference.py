@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -30,6 +31,8 @@ from server.unix_http import aio_client
 UNREACHABLE = (OSError, asyncio.TimeoutError)
 TOP_K = 5  # ImageClassifier.topk
 PREDICTION_FAILED = "Prediction failed"
+# python_backend's error for the requests of a batch its stub held when it died (as in an ensemble's step too)
+DEAD_STUB = re.compile(r"Stub process '[^']*' is not healthy")
 DISCARD_BYTES = 64 << 20
 # Headers not handed to a handler (TorchServe hands it the rest): the token, and what only the connection means.
 EXPLAIN = "explain"  # the request header TorchServe's BaseHandler reads: "True" for an explanation
@@ -214,9 +217,8 @@ class Inference:
                                              outputs=[aioclient.InferRequestedOutput(name)
                                                       for name in (RESPONSE, CONTENT_TYPE, STATUS)],
                                              timeout=model.response_timeout * 1_000_000)
-        except (InferenceServerException, *UNREACHABLE) as exc:  # Triton down (restarting), the stub dead: 503
-            self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
-            return error(503, PREDICTION_FAILED, "InternalServerException")
+        except (InferenceServerException, *UNREACHABLE) as exc:  # Triton down (restarting), the stub dead
+            return self._failed(model, exc)
         body = bytes(result.as_numpy(RESPONSE).reshape(-1)[0])
         status = int(result.as_numpy(STATUS).reshape(-1)[0])
         if status != 200:  # a 4xx: the stub refused this request alone (ts_worker.Refused), its type as TorchServe's
@@ -227,6 +229,16 @@ class Inference:
         content_type = result.as_numpy(CONTENT_TYPE).reshape(-1)[0].decode("utf-8", "replace")
         return Response(body, 200, media_type=content_type or None)
 
+    def _failed(self, model, exc: Exception) -> Response:
+        """Triton's failure of a prediction as TorchServe answers it (its answer names no reason; its log does, as
+        serve-repo's does): 507 "Worker died." for a request in the batch of a stub that died (TorchServe 0.12's
+        for a worker killed inside its batch), else 503 "Prediction failed"."""
+        said = first_line(exc)
+        self.log(f"prediction failed for {model.name}: {said[:300]}")
+        if DEAD_STUB.search(said):
+            return error(507, "Worker died.", "InternalServerException")
+        return error(503, PREDICTION_FAILED, "InternalServerException")
+
     async def _infer(self, model, payload: bytes) -> Response:
         tensor = aioclient.InferInput(IMAGE_BYTES, [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[payload]], dtype=np.object_))
@@ -235,9 +247,7 @@ class Inference:
                                              outputs=[aioclient.InferRequestedOutput(LOGITS)],
                                              timeout=model.response_timeout * 1_000_000)
         except (InferenceServerException, *UNREACHABLE) as exc:
-            # TorchServe's answer names no reason; its log does, as serve-repo's does
-            self.log(f"prediction failed for {model.name}: {first_line(exc)[:300]}")
-            return error(503, PREDICTION_FAILED, "InternalServerException")
+            return self._failed(model, exc)
         try:
             answer = top5(result.as_numpy(LOGITS), model.info.labels)
         except (KeyError, ValueError) as exc:  # e.g. a class index_to_name.json lacks: TorchServe's handler fails too
