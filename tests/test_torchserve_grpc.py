@@ -81,8 +81,10 @@ class Endpoint:
         return "OK", ""
 
     def client(self, *args: str) -> tuple[int, str]:
+        # --auth-token=KEY, one argument: a key TorchServe generates may begin with "-" (argparse then exits 2)
+        key = self.keys["management" if args[0].endswith("register") else "inference"]
         done = subprocess.run([sys.executable, "-c", RUNNER, *map(str, self.ports), str(CLIENT), *args,
-                               "--auth-token", self.keys["management" if args[0].endswith("register") else "inference"]],
+                               f"--auth-token={key}"],
                               capture_output=True, text=True, timeout=600, cwd=ROOT,
                               env={**os.environ, "PYTHONPATH": str(ROOT)})
         return done.returncode, done.stdout
