@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import torch
 
-try:  # in Triton: the version folder, which holds a copy of common/precision.py, is on sys.path
+try:  # in Triton: the version folder, which holds copies of common/precision.py and stage_clock.py, is on sys.path
     from precision import TORCH_DTYPES, check
+    from stage_clock import StageClock
 except ImportError:
+    from backends.stage_clock import StageClock
     from common.precision import TORCH_DTYPES, check
 
 PRECISIONS = {name: getattr(torch, dtype) for name, dtype in TORCH_DTYPES.items()}  # the torch dtype of each
@@ -45,6 +47,7 @@ class BatchRunner:
         self.mean_std = mean_std
         self._stats: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # mean, std [C, 1, 1] per device
         self._compact_pinned: dict[torch.dtype, torch.Tensor] = {}  # host staging of fp16 / uint8 rows
+        self.clock = StageClock()  # the model's measurement mode replaces it (stage_timing=1); off: no-ops
         if self.gpu:
             largest = self.buckets[-1] if self.buckets else 1
             # Pinned host staging: one non-blocking H2D copy per batch instead of one per request.
@@ -90,7 +93,10 @@ class BatchRunner:
                     offset += part.shape[0]
             with torch.inference_mode():  # bf16: the cast and the layout change are one copy
                 batch = batch.to(self.dtype, memory_format=self.memory_format)
-                return self.engine(batch).float()
+                self.clock.lap("staging")
+                logits = self.engine(batch).float()
+                self.clock.lap("forward")
+                return logits
         pieces, start = [], 0
         while start < total:  # Triton never forms more than max_batch_size; a caller might
             size = min(total - start, self.largest or total)
@@ -101,69 +107,118 @@ class BatchRunner:
     def _run_gpu(self, parts: list[torch.Tensor], total: int) -> torch.Tensor:
         bucket = next((b for b in self.buckets if b >= total), total)
         ordered_after_producers(self.stream, parts)
+        clock = self.clock
         with torch.cuda.stream(self.stream), torch.inference_mode():
-            landing = self._gather(parts, total)
+            staged = self._pack(parts, total)  # host: the CPU rows into pinned memory
+            clock.lap("staging")
+            copying = clock.event(self.stream)
+            landing = self._gather(parts, total, staged)  # device: copies in, normalized into one batch
+            forwarding = clock.event(self.stream)
             if bucket in self._graphs:
                 graph, static, out = self._graphs[bucket]
                 static[:total].copy_(landing)  # cast + layout on the device, into the graph's input
                 graph.replay()
             else:
-                static = self._inputs.get(bucket)
-                if static is None:
-                    static = torch.zeros((bucket, *self.sample_shape), device=self.device, dtype=self.dtype)
-                    static = static.contiguous(memory_format=self.memory_format)
+                static = self.static_input(bucket)
                 static[:total].copy_(landing)
                 out = self.engine(static)
+            clock.lap("launch")
+            returning = clock.event(self.stream)
             # One cast and one D2H copy per batch (into pageable memory: the copy waits for the
             # stream). It is the one wait per batch, so a CUDA fault surfaces here, inside the caller's
             # error handling, never as a response with an unfilled buffer.
             logits = out[:total].float().cpu()
+            returned = clock.event(self.stream)
             self.stream.synchronize()
+            clock.lap("wait")
+        clock.span("device_h2d", copying, forwarding)
+        clock.span("device_forward", forwarding, returning)
+        clock.span("device_d2h", returning, returned)
         return logits
 
-    def _gather(self, parts: list[torch.Tensor], total: int) -> torch.Tensor:
-        landing = self._landing[:total] if total <= self._landing.shape[0] else \
-            torch.empty((total, *self.sample_shape), dtype=torch.float32, device=self.device)
-        on_cpu = [part.device.type == "cpu" for part in parts]
-        fp32 = [part.dtype == torch.float32 for part in parts]
-        if any(cpu and full for cpu, full in zip(on_cpu, fp32)):
+    def static_input(self, bucket: int) -> torch.Tensor:
+        """The device-resident input a `bucket`-row forward reads (the graph's own where one is captured)."""
+        if bucket in self._graphs:
+            return self._graphs[bucket][1]
+        static = self._inputs.get(bucket)
+        if static is None:
+            static = torch.zeros((bucket, *self.sample_shape), device=self.device, dtype=self.dtype)
+            static = static.contiguous(memory_format=self.memory_format)
+            if bucket in self.buckets:  # only the buckets' are kept: without buckets every size would be
+                self._inputs[bucket] = static
+        return static
+
+    def bucket_for(self, rows: int) -> int:
+        """The batch size a forward of `rows` rows runs at (padded up to a bucket on a GPU)."""
+        return next((b for b in self.buckets if b >= rows), rows)
+
+    def forward_on_device(self, rows: int) -> torch.Tensor:
+        """The engine alone on a batch already on the device: `rows` padded to its bucket, the captured graph
+        where there is one, no copies in or out (perf's reference for the served path). Queued on the runner's
+        stream; the caller synchronizes."""
+        bucket = self.bucket_for(rows)
+        if not self.gpu:
+            with torch.inference_mode():
+                return self.engine(self.static_input(bucket))
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            if bucket in self._graphs:
+                graph, _, out = self._graphs[bucket]
+                graph.replay()
+                return out
+            return self.engine(self.static_input(bucket))
+
+    def _pack(self, parts: list[torch.Tensor], total: int) -> dict:
+        """Host staging: fp32 CPU rows into the pinned batch at their offsets, other CPU dtypes packed into pinned
+        memory of their own dtype (each crosses in one copy); {dtype: pinned rows} for _gather."""
+        staged = {}
+        fp32 = [part for part in parts if part.device.type == "cpu" and part.dtype == torch.float32]
+        if fp32:
             pinned = self._pinned[:total] if total <= self._pinned.shape[0] else \
                 torch.empty((total, *self.sample_shape), dtype=torch.float32).pin_memory()
             offset = 0
-            for part, cpu, full in zip(parts, on_cpu, fp32):
-                if cpu and full:
+            for part in parts:
+                if part.device.type == "cpu" and part.dtype == torch.float32:
+                    # The previous batch's H2D from this buffer finished: run() synchronized before returning.
                     pinned[offset:offset + part.shape[0]].copy_(part)
                 offset += part.shape[0]
-            # The previous batch's H2D from this buffer finished: run() synchronized before returning.
-            landing.copy_(pinned, non_blocking=True)
+            staged[torch.float32] = pinned
+        for dtype in {part.dtype for part in parts if part.device.type == "cpu" and part.dtype != torch.float32}:
+            chosen = [part for part in parts if part.device.type == "cpu" and part.dtype == dtype]
+            rows = sum(part.shape[0] for part in chosen)
+            pinned = self._compact_pinned.get(dtype)
+            if pinned is None or pinned.shape[0] < rows:
+                pinned = torch.empty((max(rows, self.largest), *self.sample_shape), dtype=dtype).pin_memory()
+                self._compact_pinned[dtype] = pinned
+            at = 0
+            for part in chosen:
+                pinned[at:at + part.shape[0]].copy_(part)
+                at += part.shape[0]
+            staged[dtype] = pinned[:rows]
+        return staged
+
+    def _gather(self, parts: list[torch.Tensor], total: int, staged: dict) -> torch.Tensor:
+        """Device: the staged rows and the GPU-resident parts, normalized float32, in order, in one landing batch."""
+        landing = self._landing[:total] if total <= self._landing.shape[0] else \
+            torch.empty((total, *self.sample_shape), dtype=torch.float32, device=self.device)
+        if torch.float32 in staged:
+            landing.copy_(staged[torch.float32], non_blocking=True)
         offsets = [0]
         for part in parts:
             offsets.append(offsets[-1] + part.shape[0])
-        for dtype in {part.dtype for part, cpu, full in zip(parts, on_cpu, fp32) if cpu and not full}:
-            chosen = [i for i, part in enumerate(parts) if on_cpu[i] and part.dtype == dtype]
-            device_rows = self._stage(dtype, [parts[i] for i in chosen])  # one H2D copy per dtype
+        for dtype, pinned in staged.items():
+            if dtype == torch.float32:
+                continue
+            device_rows = pinned.to(self.device, non_blocking=True)  # one H2D copy per dtype
             at = 0
-            for i in chosen:
-                rows = parts[i].shape[0]
-                self._convert(device_rows[at:at + rows], landing[offsets[i]:offsets[i + 1]])
-                at += rows
+            for i, part in enumerate(parts):
+                if part.device.type == "cpu" and part.dtype == dtype:
+                    rows = part.shape[0]
+                    self._convert(device_rows[at:at + rows], landing[offsets[i]:offsets[i + 1]])
+                    at += rows
         for i, part in enumerate(parts):
-            if not on_cpu[i]:  # already on a GPU (ensemble, CUDA shared memory): gather on the device
+            if part.device.type != "cpu":  # already on a GPU (ensemble, CUDA shared memory): gather on the device
                 self._convert(part, landing[offsets[i]:offsets[i + 1]])
         return landing
-
-    def _stage(self, dtype: torch.dtype, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The CPU parts' rows, packed in pinned memory of their own dtype, copied to the device at once."""
-        rows = sum(part.shape[0] for part in parts)
-        pinned = self._compact_pinned.get(dtype)
-        if pinned is None or pinned.shape[0] < rows:
-            pinned = torch.empty((max(rows, self.largest), *self.sample_shape), dtype=dtype).pin_memory()
-            self._compact_pinned[dtype] = pinned
-        at = 0
-        for part in parts:
-            pinned[at:at + part.shape[0]].copy_(part)
-            at += part.shape[0]
-        return pinned[:rows].to(self.device, non_blocking=True)
 
     def _convert(self, part: torch.Tensor, out: torch.Tensor) -> None:
         """out = the part as normalized float32, on out's device: uint8 pixels are normalized, fp16 cast."""

@@ -18,11 +18,13 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
     from engines import cpu_bf16, cpu_threads, load_engine
     from precision import check, check_native, served
+    from stage_clock import StageClock, StageFiles
     from triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
                            instance_device, model_parameters)
 except ImportError:
     from backends.batch_runner import PRECISIONS, BatchRunner
     from backends.engines import cpu_bf16, cpu_threads, load_engine
+    from backends.stage_clock import StageClock, StageFiles
     from backends.triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
                                     instance_device, model_parameters)
     from common.contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
@@ -61,6 +63,10 @@ class TritonPythonModel:
         self.threads = getattr(self.runner.engine, "threads", threads)
         self._info_family, self._info = engine_info(args["model_name"], self.engine_name, self.precision,
                                                     self.threads)
+        # Measurement mode (off unless the config's stage_timing names a folder): where each execute's time goes.
+        folder = params.get("stage_timing", "")
+        publish = StageFiles(folder, args["model_name"]) if folder else None
+        self.clock = self.runner.clock = StageClock(bool(folder), self.device, publish)
         pb_utils.Logger.log_info(
             f"{args['model_name']}: {params.get('torchvision_model') or params.get('model_class')} ({self.engine_name}, "
             f"precision {self.precision} (asked: {params.get('precision', 'fp32')})) on {self.device}, "
@@ -69,6 +75,7 @@ class TritonPythonModel:
         )
 
     def execute(self, requests):
+        self.clock.start()
         responses = [None] * len(requests)
         images, owners = [], []
         for index, request in enumerate(requests):
@@ -77,12 +84,16 @@ class TritonPythonModel:
                 owners.append(index)
             except ValueError as exc:
                 responses[index] = error_response(str(exc), invalid=True)
+        self.clock.lap("inputs")
         if images:
             for index, response in zip(owners, self._infer(images)):
                 responses[index] = response
+        self.clock.lap("responses")
+        self.clock.finish()
         return responses
 
     def finalize(self):
+        self.clock.close()  # what is pending, to its file
         self.runner = None
         self._info = self._info_family = None  # the metric before its family (python_backend's rule)
 

@@ -37,14 +37,24 @@ class TritonPythonModel(Classifier):
         super().initialize({**args, "model_config": json.dumps(as_classifier)})
         on_gpu = self.device.type == "cuda"
         workers = int(params.get("decode_workers", "0") or 0) or (4 if on_gpu else 1)
-        tensor_decode = on_gpu and params.get("decode_device", DECODE_DEVICE["fused"]) == "gpu"
+        # gpu: torchvision's decode_jpeg on the instance's device -- nvJPEG on a GPU instance; on a CPU instance
+        # (only a config edited by hand: build-repo refuses it for --kind cpu) its CPU decoder, which is how the GPU
+        # round's dry run runs this path's code (batched decode, transforms per group of same-size images).
+        default = DECODE_DEVICE["fused"] if on_gpu else "cpu"
+        tensor_decode = params.get("decode_device", default) == "gpu"
         transform = transform_from_parameters(params)
         self.preprocess = preprocessor_for(params, transform, self.device, tensor_decode, workers)
+        self.preprocess.clock = self.clock  # the classifier's measurement mode covers the decoding too
 
     def execute(self, requests):
+        self.clock.start()
         responses, images = preprocessed(self.preprocess, requests)
         good = [index for index, mine in enumerate(images) if mine is not None]
         if good:  # one forward for every good request
-            for index, response in zip(good, self._infer([torch.stack(images[index]) for index in good])):
+            stacked = [torch.stack(images[index]) for index in good]
+            self.clock.lap("stack")
+            for index, response in zip(good, self._infer(stacked)):
                 responses[index] = response
+        self.clock.lap("responses")
+        self.clock.finish()
         return responses

@@ -19,10 +19,12 @@ except ImportError:  # imported outside Triton, e.g. by tests and perf to run th
 try:  # in Triton: the helpers sit beside this file in the version folder, which is on sys.path
     from contract import DECODE_DEVICE, IMAGE_BYTES
     from decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
+    from stage_clock import StageClock
     from transforms import pixels_from_parameters, transform_from_parameters
     from triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
                            honor_faulthandler, instance_device, model_parameters)
 except ImportError:
+    from backends.stage_clock import StageClock
     from common.decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
     from backends.triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
                                     honor_faulthandler, instance_device, model_parameters)
@@ -108,6 +110,7 @@ def preprocessed(preprocess: "Preprocessor", requests) -> tuple[list, list]:
     """One decode for the whole batch, then per request: its error response (no input, a bad image: the
     client's fault, INVALID_ARG; a device fault: the server's, for every request) or its list of images."""
     elements, owners, responses = encoded_elements(requests, IMAGE_BYTES)
+    preprocess.clock.lap("inputs")
     try:
         images = preprocess(elements)
     except Exception as exc:  # a device fault: every request of this batch, none silently
@@ -136,7 +139,8 @@ class Preprocessor:
 
     With `tensor_decode`, plain JPEGs (RGB or gray, no EXIF rotation, complete) are decoded together by
     torchvision's decode_jpeg on `device` (nvJPEG on a GPU), in chunks of at most `decode_budget` bytes of
-    decoded pixels (by their headers' sizes), and transformed there; everything else, and
+    decoded pixels (by their headers' sizes), and transformed there, one transform call per group of
+    same-size images (one resize kernel for a group instead of one per image); everything else, and
     any JPEG that decoder refuses, takes the PIL path, whose errors name the problem.
     """
 
@@ -146,6 +150,7 @@ class Preprocessor:
         self.decode_budget = decode_budget  # bytes of decoded RGB pixels per batched decode_jpeg call
         # PIL releases the GIL while it decodes and resizes: a pool decodes a batch's images in parallel.
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pil") if workers > 1 else None
+        self.clock = StageClock()  # the fused model's measurement mode replaces it; off: no-ops
 
     def __call__(self, elements: list[bytes]) -> list:
         results, fast, pixels, slow = [None] * len(elements), [], [], []
@@ -163,20 +168,48 @@ class Preprocessor:
         # Each chunk is transformed before the next is decoded: only one chunk's full-size pixels at a time.
         for chunk in decode_chunks(pixels, self.decode_budget):
             indices = [fast[i] for i in chunk]
+            decoded = []
             for index, image in zip(indices, self._decode([elements[i] for i in indices])):
                 if image is None:  # the decoder refused it: PIL's path, whose errors name the problem
                     slow.append(index)
-                    continue
-                try:
-                    results[index] = self._tensor_transform(image)
-                except ImageError as exc:
-                    results[index] = detached(exc)
+                else:
+                    decoded.append((index, image))
+            self.clock.lap("decode")
+            for index, result in self._transform_grouped(decoded):
+                results[index] = result
+            self.clock.lap("transform")
         mapper = self._pool.map if self._pool is not None and len(slow) > 1 else map
         for index, result in zip(slow, mapper(self._pil_or_error, [elements[i] for i in slow])):
             results[index] = result
+        self.clock.lap("pil")
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # a CUDA fault raises here, not later
+            self.clock.lap("preprocess_wait")
         return results
+
+    def _transform_grouped(self, decoded: list[tuple[int, torch.Tensor]]) -> list[tuple[int, object]]:
+        """(index, transformed image or its ImageError) for each decoded image: images of one size go through the
+        transform together, as one batch (resize, crop and normalize act on each image of a batch alone, so every
+        image gets what it would alone); a group whose batched call fails goes one by one."""
+        groups: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
+        for index, image in decoded:
+            groups.setdefault(tuple(image.shape), []).append((index, image))
+        done = []
+        for members in groups.values():
+            if len(members) > 1:
+                try:
+                    with torch.inference_mode():
+                        batch = self.transform(torch.stack([image for _, image in members]))
+                    done.extend((index, row) for (index, _), row in zip(members, batch.unbind(0)))
+                    continue
+                except Exception:  # e.g. an ImageError of one image's own: that one alone gets it
+                    pass
+            for index, image in members:
+                try:
+                    done.append((index, self._tensor_transform(image)))
+                except ImageError as exc:
+                    done.append((index, detached(exc)))
+        return done
 
     def route(self, data: bytes) -> str:
         """"tensor" or "pil": which path `data` takes (for tests and logs)."""

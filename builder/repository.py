@@ -24,10 +24,10 @@ CLASSIFIER_FILES = {"model.py": "backends/classifier.py", "batch_runner.py": "ba
                     "engines.py": "backends/engines.py", "triton_io.py": "backends/triton_io.py",
                     "contract.py": "common/contract.py", "model_code.py": "common/model_code.py",
                     "cpu.py": "common/cpu.py", "messages.py": "common/messages.py",
-                    "precision.py": "common/precision.py"}
+                    "precision.py": "common/precision.py", "stage_clock.py": "backends/stage_clock.py"}
 PREPROCESS_FILES = {"model.py": "backends/preprocess.py", "decoding.py": "common/decoding.py",
                     "triton_io.py": "backends/triton_io.py", "contract.py": "common/contract.py",
-                    "messages.py": "common/messages.py",
+                    "messages.py": "common/messages.py", "stage_clock.py": "backends/stage_clock.py",
                     "transforms.py": "common/transforms.py"}
 # NAME_image as one python model (--image-model fused): its model.py runs the two above, unchanged, in one stub.
 FUSED_FILES = {**CLASSIFIER_FILES, **PREPROCESS_FILES, "model.py": "backends/fused.py",

@@ -51,6 +51,8 @@ PARAMETERS = {
     "cuda_device": "N: a KIND_CPU instance that runs its model on cuda:N (perf.gpu.io_variants' ways of serving)",
     "cudnn_benchmark": "1: cuDNN picks its algorithms per bucket at load time",
     "batch_buckets": "comma list of batch sizes a GPU instance pads to",
+    "stage_timing": "a folder: measurement mode, each instance's time per stage of its executes in "
+                    "FOLDER/MODEL.PID.json (backends/stage_clock.py); empty, the default: off",
     "decode_device": "cpu or gpu: where JPEGs are decoded (nvJPEG on a GPU instance)",
     "decode_workers": "PIL threads of the fused model (default 4 on a GPU instance, 1 on CPU)",
     "output_device": "gpu (default) or cpu: where NAME_preprocess on a GPU instance hands IMAGE over",

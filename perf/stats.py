@@ -1,4 +1,4 @@
-"""Triton's statistics API, read once: a snapshot of one model's counters and the difference of two."""
+"""Triton's statistics API and the backends' own stage split, read once: snapshots and their differences."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,3 +43,41 @@ def counters(client, model: str) -> Counters:
     return Counters(int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0)),
                     int(stages.get("success", {}).get("count", 0)),
                     {stage: int(stages.get(stage, {}).get("ns", 0)) for stage in STAGES})
+
+
+# The backends' measurement mode (config parameter stage_timing=FOLDER, backends/stage_clock.py): per-stage totals.
+@dataclass(frozen=True)
+class StageSplit:
+    """A model's per-stage seconds and the executes they cover, at one moment or (after `-`) over an interval."""
+
+    executions: float = 0
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def __sub__(self, earlier: "StageSplit") -> "StageSplit":
+        return StageSplit(self.executions - earlier.executions,
+                          {stage: value - earlier.seconds.get(stage, 0.0) for stage, value in self.seconds.items()})
+
+    def ms_per_execute(self) -> dict[str, float]:
+        """Milliseconds per execute in each stage (empty when no execute was counted)."""
+        if self.executions <= 0:
+            return {}
+        return {stage: round(value / self.executions * 1000, 3) for stage, value in sorted(self.seconds.items())}
+
+
+def stage_split(folder, model: str) -> StageSplit:
+    """`model`'s totals now, summed over its instances' files in `folder` (zeros where there are none)."""
+    import json
+    from pathlib import Path
+
+    executions, seconds = 0, {}
+    for path in sorted(Path(folder).glob(f"{model}.*.json")):
+        try:
+            found = json.loads(path.read_text())
+        except (OSError, ValueError):  # replaced between the listing and the read: the next file has its totals
+            continue
+        if found.get("model") != model:  # NAME.* also matches NAME.x's files where a name holds a dot
+            continue
+        executions += found["executions"]
+        for stage, value in found["seconds"].items():
+            seconds[stage] = seconds.get(stage, 0.0) + value
+    return StageSplit(executions, seconds)

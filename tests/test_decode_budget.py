@@ -11,6 +11,7 @@ from backends import classifier, preprocess
 from common.decoding import DEFAULT_MAX_PIXELS, decode
 from backends.fused import TritonPythonModel as Fused
 from backends.preprocess import Preprocessor, decode_chunks, preprocessor_for
+from backends.stage_clock import StageClock
 from images import cat, encode
 
 TRANSFORM = torchvision.models.ResNet18_Weights.DEFAULT.transforms()
@@ -79,10 +80,43 @@ def test_preprocessor_for_reads_budget_and_bound_when_parameters_set_them(monkey
 @pytest.mark.parametrize("params, bound", [({}, DEFAULT_MAX_PIXELS), ({"max_pixels": "4321"}, 4321)])
 def test_fused_initialize_sets_pil_pixel_bound_when_loaded(monkeypatch, params, bound):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1)  # restored after the test
-    # The classifier's own initialize needs an engine and weights; its device is all the fused model reads.
-    monkeypatch.setattr(classifier.TritonPythonModel, "initialize", lambda self, args: setattr(self, "device", CPU))
+    # The classifier's own initialize needs an engine and weights; its device and clock are all the fused model reads.
+    monkeypatch.setattr(classifier.TritonPythonModel, "initialize",
+                        lambda self, args: self.__dict__.update(device=CPU, clock=StageClock()))
     strings = {"crop_size": "224", "resize_size": "232", "mean": "0.485,0.456,0.406", "std": "0.229,0.224,0.225",
                **params}
     config = {"max_batch_size": 8, "parameters": {k: {"string_value": v} for k, v in strings.items()}}
     Fused().initialize({"model_config": json.dumps(config)})
     assert Image.MAX_IMAGE_PIXELS == bound
+
+
+def test_preprocessor_transforms_each_group_of_same_size_images_in_one_call_when_sizes_repeat():
+    """One transform call per size (one resize kernel for the group), each image's result what it gets alone."""
+    calls = []
+
+    def recording(batch):
+        calls.append(tuple(batch.shape))
+        return TRANSFORM(batch)
+
+    small, big = _jpeg(100), _jpeg(200)
+    elements = [small, big, small, b"not an image", small, big]
+    results = Preprocessor(recording, CPU, tensor_decode=True)(elements)
+    assert sorted(calls) == sorted([(3, 3, 100, 100), (2, 3, 200, 200)])
+    alone = Preprocessor(TRANSFORM, CPU, tensor_decode=True)
+    for data, result in zip(elements, results):
+        if data == b"not an image":
+            assert not isinstance(result, torch.Tensor)
+        else:
+            assert torch.equal(result, alone([data])[0])
+
+
+def test_preprocessor_transforms_one_by_one_when_a_groups_batched_call_fails():
+    def batch_refused(image):
+        if image.dim() == 4:
+            raise RuntimeError("this transform takes one image")
+        return TRANSFORM(image)
+
+    small = _jpeg(100)
+    results = Preprocessor(batch_refused, CPU, tensor_decode=True)([small, small, small])
+    expected = Preprocessor(TRANSFORM, CPU, tensor_decode=True)([small])[0]
+    assert all(torch.equal(result, expected) for result in results)

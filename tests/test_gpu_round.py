@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from perf.gpu.round import HEADLINE, RESULT
-from perf.gpu.steps import STEPS
+from perf.gpu.steps import DEFAULT_STEPS, STEPS
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_STEPS = [name for name, (_, _, needs_cuda) in STEPS.items() if needs_cuda]
@@ -60,7 +60,8 @@ def test_dry_run_in_the_gpu_machines_python_runs_every_step_with_the_stubs_on_nu
     assert (out / "round.json").is_file(), done.stdout + done.stderr
     report = json.loads((out / "round.json").read_text())
     assert done.returncode == 0, {name: outcome.get("reason") for name, outcome in report["steps"].items()}
-    assert list(report["steps"]) == list(STEPS) and report["dry_run"] is True
+    assert list(report["steps"]) == list(DEFAULT_STEPS) and report["dry_run"] is True
+    assert "compile" not in DEFAULT_STEPS and "engine" in DEFAULT_STEPS  # compile only on demand (minutes)
     assert all(outcome["status"] == "ok" for outcome in report["steps"].values())
     environment = report["steps"]["environment"]["details"]
     assert environment["packages"]["numpy"].startswith("2.")  # the round's own Python: the image's NumPy 2
@@ -71,7 +72,7 @@ def test_dry_run_in_the_gpu_machines_python_runs_every_step_with_the_stubs_on_nu
     assert sorted(path.name for path in out.iterdir()) == sorted([*HEADLINE, "logs.tar.gz"])
     with tarfile.open(out / "logs.tar.gz") as archive:
         packed = set(archive.getnames())
-    assert {f"logs/{step}.log" for step in STEPS} <= packed and "logs/bench.json" in packed
+    assert {f"logs/{step}.log" for step in DEFAULT_STEPS} <= packed and "logs/bench.json" in packed
     figures = json.loads((out / RESULT).read_text())
     assert figures["dry_run"] is True and figures["device"] == "cpu"
     for key in KEYS[1:5]:
@@ -88,7 +89,23 @@ def test_dry_run_in_the_gpu_machines_python_runs_every_step_with_the_stubs_on_nu
     io = report["steps"]["instance_io"]["details"]
     assert io["answers_right"] == list(io["variants"])
     assert [p["instances"] for p in figures["instances"]] == [2]
-    assert report["steps"]["compile"]["details"]["points"]
+    # The reference is the engine alone with the batch on the device, at the served batch's bucket; the runner fed
+    # from host memory (earlier rounds' reference) stays beside it under its own name.
+    best = max(bench["tensor"][0]["points"], key=lambda p: p["images_per_s"])
+    assert figures["served_over_inprocess"] == pytest.approx(best["images_per_s"] / best["inprocess_images_per_s"])
+    assert figures["inprocess_images_per_s"] > 0 and figures["served_over_runner_from_host"] > 0
+    assert best["engine_batch"] >= 1
+    # Where each execute's time went (measurement mode), beside Triton's split of each request's time.
+    assert {"inputs", "staging", "forward", "responses"} <= set(figures["execute_split_ms"])
+    assert figures["execute_split_ms"]["forward"] > 0 and figures["triton_split_ms"]["compute_infer"] > 0
+    # The JPEG path's tensor decode (nvJPEG on a GPU; torchvision's CPU decoder standing in) with a transform per
+    # group of same-size images ran, and the PIL decode beside it.
+    by_decode = {p["decode"]: p["execute_split_ms"] for p in bench["jpeg"]}
+    assert by_decode["gpu"]["decode"] > 0 and by_decode["gpu"]["transform"] > 0
+    assert by_decode["cpu"]["pil"] > 0
+    # The engine alone per precision and graphs (the CPU: fp32 eager, b1 and b2).
+    assert [(p["precision"], p["batch"]) for p in figures["engine"]] == [("fp32", 1), ("fp32", 2)]
+    assert all(p["images_per_s"] > 0 for p in figures["engine"])
 
 
 @no_gpu_only
@@ -113,7 +130,14 @@ def test_round_records_environment_and_skips_gpu_steps_when_there_is_no_cuda(tmp
 
 
 @no_gpu_only
-def test_round_fails_that_step_and_runs_the_next_when_a_step_overruns(tmp_path):
+def test_round_fails_that_step_and_runs_the_next_when_a_step_overruns(tmp_path, monkeypatch):
+    # An nvidia-smi that hangs: the environment step is still running at its 1 s limit however fast this machine is
+    # (it had finished its work just past 1 s on a loaded one and logged no TimeLimit).
+    hanging = tmp_path / "bin"
+    hanging.mkdir()
+    (hanging / "nvidia-smi").write_text("#!/bin/sh\nsleep 60\n")
+    (hanging / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{hanging}:{os.environ['PATH']}")
     status, report = _round(tmp_path / "out", "--steps", "environment", "parity", "--timeout-s", "1")
     assert status == 1
     environment = report["steps"]["environment"]

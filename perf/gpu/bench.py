@@ -18,7 +18,8 @@ import numpy as np
 from common.cli import OneLineParser
 
 from common.contract import IMAGE_INPUTS, config_parameters
-from perf.stats import STAGES, counters
+from perf.gpu.engine import InProcess, sample
+from perf.stats import STAGES, counters, stage_split
 
 
 def parser():
@@ -60,14 +61,6 @@ def parser():
     return p
 
 
-def _sample(shape, dtype: str, seed: int) -> np.ndarray:
-    """Random images as the input of `dtype` takes them: normalized floats or 0..255 pixels."""
-    rng = np.random.default_rng(seed)
-    if dtype == "uint8":
-        return rng.integers(0, 256, shape, dtype=np.uint8)
-    return rng.standard_normal(shape).astype(np.float16 if dtype == "fp16" else np.float32)
-
-
 def _client_process(url, model, kind, payload, threads, start, end, warmup, queue):
     """`threads` closed-loop clients; puts [(done, latency, ok), ...] measured in [start+warmup, end]."""
     import tritonclient.grpc as grpcclient
@@ -82,7 +75,7 @@ def _client_process(url, model, kind, payload, threads, start, end, warmup, queu
             tensor.set_data_from_numpy(np.array([[payload]], dtype=object))
         else:
             shape, name = payload["shape"], f"bench_{mp.current_process().pid}_{index}"
-            image = _sample(shape, payload["dtype"], index)
+            image = sample(shape, payload["dtype"], index)
             region = shared_memory.SharedMemory(name=name, create=True, size=image.nbytes)
             regions.append(region)
             np.ndarray(shape, image.dtype, region.buf)[...] = image
@@ -131,7 +124,10 @@ def _client_process(url, model, kind, payload, threads, start, end, warmup, queu
     queue.put(results)
 
 
-def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=1.0, stats_model=None) -> dict:
+def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=1.0, stats_model=None,
+             split_folder=None) -> dict:
+    """One closed-loop point: img/s, latencies, Triton's split of each request's time and, given the folder of a
+    model in measurement mode (stage_timing=FOLDER), the backend's own split of each execute (ms per execute)."""
     import tritonclient.grpc as grpcclient
 
     ctx = mp.get_context("spawn")  # gRPC and fork do not mix
@@ -149,8 +145,10 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
     target = stats_model or (model if kind != "jpeg" else model.removesuffix("_image"))
     time.sleep(max(0.0, start + warmup - time.monotonic()))
     before = counters(stats, target)
+    split_before = stage_split(split_folder, target) if split_folder else None
     completions = [c for _ in workers for c in queue.get()]
     after = counters(stats, target)
+    split = (stage_split(split_folder, target) - split_before) if split_folder else None
     for w in workers:
         w.join()
     rows = payload["shape"][0] if kind == "tensor" and len(payload["shape"]) == 4 else 1
@@ -163,6 +161,7 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
             "images_per_s": rows * (len(good) - 1) / (good[-1] - good[0]) if len(good) > 1 else 0.0,
             "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
             "avg_batch": interval.avg_batch if interval.executions else 0.0, **server,
+            **({"execute_split_ms": split.ms_per_execute(), "split_executions": split.executions} if split else {}),
             "first_error": next((err for _, _, err in completions if err is not True), "")}
 
 
@@ -178,40 +177,10 @@ def reload(client, model, base, **changes) -> None:
         raise RuntimeError(f"{model} not ready after reload with {changes}")
 
 
-class InProcess:
-    """The backend's own runner (same engine, precision, graphs, buckets) fed CPU tensors, on the GPU."""
-
-    def __init__(self, model_dir: Path, params: dict, max_batch: int, device: str = "cuda"):
-        import torch
-
-        from backends.classifier import build_runner
-
-        self.runner = build_runner(model_dir / "1", params, torch.device(device), max_batch, (3, 224, 224))
-        self.runner.warm_up()
-
-    def measure(self, batch: int, seconds: float = 3.0, dtype: str = "fp32") -> float:
-        import torch
-
-        images = torch.from_numpy(_sample((batch, 3, 224, 224), dtype, 0))
-        parts = list(images.split(1))  # one tensor per request, as the server hands them over
-        self.runner.run(parts)
-        done, begin = 0, time.perf_counter()
-        while time.perf_counter() - begin < seconds:
-            self.runner.run(parts)
-            done += 1
-        return batch * done / (time.perf_counter() - begin)
-
-    def close(self) -> None:
-        import torch
-
-        self.runner = None
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-
 def _tensor_variant(item, client, server, repo, base, params, max_batch, args, result, best):
     precision, graphs = item.split(":")
-    change = {"precision": precision, "cuda_graphs": graphs}
+    # stage_timing: the backend's split of each execute (CUDA events, no extra waits) in args.split_folder
+    change = {"precision": precision, "cuda_graphs": graphs, "stage_timing": str(args.split_folder)}
     t = time.monotonic()
     if result["tensor"] or any(params.get(k) != v for k, v in change.items()):  # the first is built so
         reload(client, args.model, base, parameters=change)
@@ -220,10 +189,16 @@ def _tensor_variant(item, client, server, repo, base, params, max_batch, args, r
     local = InProcess(repo / args.model, {**params, **change}, max_batch, "cuda" if args.kind == "gpu" else "cpu")
     for c in args.concurrency:
         payload = {"shape": [args.images_per_request, 3, 224, 224], "dtype": args.input_dtype}
-        point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes, args.warmup_s)
-        point["inprocess_images_per_s"] = local.measure(max(1, round(point["avg_batch"])), min(args.seconds, 3.0),
-                                                        dtype=args.input_dtype)
+        point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes, args.warmup_s,
+                         split_folder=args.split_folder)
+        rows, reference_s = max(1, round(point["avg_batch"])), min(args.seconds, 2.0)
+        # The reference: the same engine, precision and graphs with the batch already on the device, at the batch
+        # size the served batches ran at (their bucket, full); the runner fed from host memory stays beside it.
+        point["engine_batch"] = local.runner.bucket_for(rows)
+        point["inprocess_images_per_s"] = local.on_device(rows, reference_s)
         point["served_over_inprocess"] = point["images_per_s"] / point["inprocess_images_per_s"]
+        point["runner_from_host_images_per_s"] = local.measure(rows, reference_s, dtype=args.input_dtype)
+        point["served_over_runner_from_host"] = point["images_per_s"] / point["runner_from_host_images_per_s"]
         entry["points"].append(point)
         print(json.dumps({"variant": item, **point}), flush=True)
         if best is None or point["images_per_s"] > best[1]["images_per_s"]:
@@ -238,7 +213,8 @@ def _unbatched(client, server, base, best, args, result):
     reload(client, args.model, base, max_batch_size=0, parameters=change)
     c = max(args.concurrency)
     payload = {"shape": [3, 224, 224], "dtype": args.input_dtype}
-    point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes, args.warmup_s)
+    point = run_load(server.grpc_url, args.model, "tensor", payload, c, args.seconds, args.processes, args.warmup_s,
+                     split_folder=args.split_folder)
     result["unbatched"].append({**change, **point})
     print(json.dumps({"unbatched": True, **point}), flush=True)
     batched = [p for e in result["tensor"] if best and e["precision"] == change["precision"]
@@ -269,7 +245,7 @@ def _jpeg(client, server, base, best, args, result):
                parameters={"decode_device": where, **(best[0] if fused and best else {})})
         for c in args.concurrency:
             point = run_load(server.grpc_url, image, "jpeg", payload, c, args.seconds, args.processes, args.warmup_s,
-                             stats_model=image if fused else None)
+                             stats_model=image if fused else None, split_folder=args.split_folder)
             result["jpeg"].append({"decode": where, **(best[0] if best else {}), **point})
             print(json.dumps({"jpeg": where, **point}), flush=True)
     reload(client, target, target_base)
@@ -295,6 +271,7 @@ def main(argv=None) -> int:
 
     args = parser().parse_args(argv)
     repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
+    args.split_folder = repo.parent / "stage-split"  # the classifier's measurement mode writes here
     first = next((item.split(":") for item in args.plan if ":" in item), ["fp32", "0"])
     weights = calibrated_weights(args.model, repo.parent, "cuda" if args.kind == "gpu" else "cpu")
     if build_repo.main(["--model", args.model, "--weights", str(weights), "--output", str(repo), "--kind", args.kind,

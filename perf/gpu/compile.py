@@ -35,6 +35,9 @@ def parser():
     p.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256], help="Default: 64 128 256.")
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="Default: all.")
     p.add_argument("--seconds", type=float, default=3.0, help="timed run per point. Default: 3.")
+    p.add_argument("--compile-mode", default="max-autotune",
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="torch.compile's mode for the compile variant. Default: max-autotune.")
     p.add_argument("--output", type=Path, default=Path("perf/results/gpu-compile-resnet152.json"),
                    help="JSON written. Default: perf/results/gpu-compile-resnet152.json.")
     return p
@@ -47,7 +50,7 @@ def folded(model: torch.nn.Module) -> torch.nn.Module:
     return fuse(model.eval(), inplace=False)
 
 
-def runner(model: torch.nn.Module, variant: str, example: torch.Tensor):
+def runner(model: torch.nn.Module, variant: str, example: torch.Tensor, compile_mode: str = "max-autotune"):
     """A callable batch -> logits for the variant, warmed up on `example` (compiled / captured)."""
     if variant == "eager":
         return model
@@ -55,7 +58,7 @@ def runner(model: torch.nn.Module, variant: str, example: torch.Tensor):
     if variant == "folded":
         return model
     if variant == "compile":
-        compiled = torch.compile(model, mode="max-autotune")
+        compiled = torch.compile(model, mode=compile_mode)
         for _ in range(3):
             compiled(example)
         return compiled
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     point = {"precision": precision, "batch": batch_size, "variant": variant}
                     try:
                         start = time.perf_counter()
-                        run = runner(model, variant, typed)
+                        run = runner(model, variant, typed, args.compile_mode)
                         sync()
                         point["warmup_s"] = time.perf_counter() - start
                         diff = (run(typed).float() - reference).abs().max() / reference.abs().max()
@@ -134,16 +137,18 @@ if __name__ == "__main__":
 
 
 def round_step(ctx) -> None:
-    """perf.gpu.round's in-process step: eager, folded and graphed fp16 at batch 64 and 128, then torch.compile
-    (max-autotune, minutes of warm-up) at 128 if time is left; OUTDIR/compile.json. Dry run: resnet18 on the CPU."""
+    """perf.gpu.round's compile step (not in the default round: --steps compile): eager, folded and graphed fp16 at
+    batch 128, then torch.compile at 128 in reduce-overhead mode (inductor's kernels in its own CUDA graphs; max-autotune
+    took past the step's budget on an H200) and what it gives over graphs (compile_over_graph); OUTDIR/compile.json.
+    Dry run: resnet18 on the CPU."""
     from perf.gpu.steps import StepFailed
 
     output = ctx.out / "compile.json"
     if ctx.dry_run:
         runs = [["--device", "cpu", "--model", "resnet18", "--batches", "2", "--variants", "eager", "folded"]]
     else:
-        runs = [["--batches", "64", "128", "--variants", "eager", "folded", "graph"],
-                ["--batches", "128", "--variants", "compile"]]
+        runs = [["--batches", "128", "--variants", "eager", "folded", "graph"],
+                ["--batches", "128", "--variants", "compile", "--compile-mode", "reduce-overhead"]]
     points = []
     for argv in runs:
         part = ctx.out / f"compile-{len(points)}.json"
@@ -153,3 +158,6 @@ def round_step(ctx) -> None:
         part.unlink()
         output.write_text(json.dumps({"points": points}, indent=2) + "\n")
         ctx.details["points"] = points
+    rates = {p["variant"]: p.get("images_per_s") for p in points if p["batch"] == 128}
+    if rates.get("compile") and rates.get("graph"):
+        ctx.details["compile_over_graph"] = round(rates["compile"] / rates["graph"], 3)

@@ -11,8 +11,11 @@ Steps, in this order by default (the bench runs alone on the GPU; gpu_tests runs
 next timing; one run of at most 540 s on the GPU machine):
   environment           Python/torch/CUDA versions, GPU, driver, kernel, /dev/shm, CPU, the stubs' Python and its
                         numpy, how libcuda resolves, ldd of the wheel's stub
-  bench                 ResNet-152 served vs in-process per precision with CUDA graphs, then the JPEG path; each client
-                        reads its first answers (an empty or non-finite one is an error)
+  bench                 ResNet-152 served per precision with CUDA graphs, each point beside the same engine with the batch
+                        already on the GPU (served_over_inprocess) and the backend's own split of each execute
+                        (stage_timing), then the JPEG path; each client reads its first answers (an empty or non-finite
+                        one is an error)
+  engine                the engine alone, batch on the GPU: per precision, eager and CUDA graphs, b64 / b128 / b256
   gpu_tests             pytest on the GPU test files (perf.gpu.checks.GPU_TESTS): passed / failed counts
   instance_io           only when the bench's answers were wrong (or --diagnose always): resnet18's answers (tensor
                         and JPEG) served in each way of perf.gpu.io_variants.IO_VARIANTS
@@ -21,7 +24,8 @@ next timing; one run of at most 540 s on the GPU machine):
   image_path            a JPEG to resnet18_image over gRPC: fused (the GPU default), ensemble CPU / GPU decode
   parity                nvJPEG + GPU transforms vs PIL on perf.samples' JPEGs
   instances             the best precision with 1 and 2 classifier instances at c=256 (the bench ran build-repo's 4)
-  compile               conv-BN folding, CUDA graphs, torch.compile in-process (perf.gpu.compile)
+  compile               conv-BN folding, CUDA graphs, torch.compile in-process (perf.gpu.compile); not in the default
+                        round (its warm-up takes minutes): --steps compile
   python_backend_probe  echo models vs resnet18: the python backend's own ceiling
 
 --dry-run: the same steps with the CPU standing in (resnet18, short points, tens of seconds each), the
@@ -49,15 +53,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from common.cli import OneLineParser
-from perf.gpu.steps import ROOT, STEPS, result_path, run_bounded
+from perf.stats import STAGES
+from perf.gpu.steps import DEFAULT_STEPS, ROOT, STEPS, result_path, run_bounded
 
 GRACE_S = 20  # after SIGTERM, time for a step to stop its servers and write what it has
 MIN_STEP_S = 15  # less than this left in the budget (and asked for): the step is skipped rather than started
 BACKGROUND = ("gpu_tests",)  # run beside the steps that follow it, up to the first ALONE step
-ALONE = ("bench", "instances", "compile", "python_backend_probe")  # timings: nothing else on the GPU meanwhile
+ALONE = ("bench", "engine", "instances", "compile", "python_backend_probe")  # timings: nothing else on the GPU meanwhile
 # Each step's own limit (seconds) on the GPU; a dry run's steps are small and get the same.
 LIMITS = {"environment": 60, "instance_io": 200, "gpu_tests": 300, "gpu_output": 90, "image_path": 150, "parity": 60, "bench": 230,
-          "instances": 120, "compile": 120, "python_backend_probe": 60}
+          "engine": 90, "instances": 120, "compile": 240, "python_backend_probe": 60}
 RESULT = "gpu-resnet152.json"
 HEADLINE = ("round.json", RESULT, "gpu_tests.txt")  # copied into DIR as they are; the rest goes into logs.tar.gz
 # Run in a child so that a CUDA driver that hangs or crashes on init cannot take this process with it.
@@ -70,8 +75,8 @@ def parser() -> OneLineParser:
     p.add_argument("--out", type=Path, required=True,
                    help="folder for round.json, gpu-resnet152.json, gpu_tests.txt and logs.tar.gz (created). "
                         "Default: none (required).")
-    p.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS), metavar="STEP",
-                   help=f"steps to run, in the order given ({', '.join(STEPS)}). Default: all of them.")
+    p.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(DEFAULT_STEPS), metavar="STEP",
+                   help=f"steps to run, in the order given ({', '.join(STEPS)}). Default: all but compile.")
     p.add_argument("--timeout-s", type=float, default=None,
                    help="longest one step may run, in seconds: then it gets SIGTERM, and SIGKILL to its process "
                         f"group {GRACE_S} s later, and is recorded as failed. Default: each step's own "
@@ -137,6 +142,9 @@ def figures(report: dict, work: Path) -> dict:
     bench_file = work / "bench.json"
     bench = json.loads(bench_file.read_text()) if bench_file.exists() else {}
     instances = steps.get("instances", {}).get("details", {})
+    engine_file = work / "engine.json"
+    engine = json.loads(engine_file.read_text())["points"] if engine_file.exists() else None
+    best_point = _best_point(bench)
     device = bench.get("device") or env.get("gpu") or ("cpu (dry run)" if report["dry_run"] else None)
     return {
         "device": device,
@@ -144,6 +152,10 @@ def figures(report: dict, work: Path) -> dict:
         "dry_run": report["dry_run"], "command": report["command"], "started": report["started"],
         "served_images_per_s": bench.get("served_images_per_s"),
         "served_over_inprocess": bench.get("served_over_inprocess"),
+        "inprocess_images_per_s": best_point.get("inprocess_images_per_s"),
+        "served_over_runner_from_host": best_point.get("served_over_runner_from_host"),
+        "served_p99_ms": best_point.get("p99_ms"),
+        "c1_p50_ms": _c1_p50(bench),
         "jpeg_images_per_s": bench.get("jpeg_images_per_s"),
         "jpeg_over_tensor": bench.get("jpeg_over_tensor"),
         "gpu_tests_passed": _count(summary, "passed") if summary else None,
@@ -151,8 +163,28 @@ def figures(report: dict, work: Path) -> dict:
         "gpu_tests_skipped": _count(summary, "skipped") if summary else None,
         "steps": {name: outcome["status"] for name, outcome in steps.items()},
         "best": bench.get("best"), "instances": instances.get("points"),
+        # Where the best point's time went: the backend's split of one execute (ms) beside Triton's per request.
+        "execute_split_ms": best_point.get("execute_split_ms"),
+        "triton_split_ms": {stage: best_point.get(f"{stage}_ms") for stage in STAGES} if best_point else None,
+        "jpeg_execute_split_ms": max(bench.get("jpeg", []), key=lambda p: p["images_per_s"], default={}).get(
+            "execute_split_ms"),
+        "engine": engine,
+        "compile_over_graph": steps.get("compile", {}).get("details", {}).get("compile_over_graph"),
         "bench": bench,
     }
+
+
+def _best_point(bench: dict) -> dict:
+    """The tensor path's fastest point (the one served_images_per_s names), or {}."""
+    points = [point for entry in bench.get("tensor", []) for point in entry["points"]]
+    return max(points, key=lambda point: point["images_per_s"], default={})
+
+
+def _c1_p50(bench: dict) -> dict | None:
+    """p50 at concurrency 1 per precision (graphs as run), ms."""
+    found = {f"{e['precision']}{'+graphs' if e['cuda_graphs'] else ''}": round(p["p50_ms"], 2)
+             for e in bench.get("tensor", []) for p in e["points"] if p["concurrency"] == 1}
+    return found or None
 
 
 def pack(report: dict, work: Path, out: Path) -> None:

@@ -21,12 +21,13 @@ from common import messages
 
 ROOT = Path(__file__).resolve().parents[2]
 # name -> (module, function, needs CUDA), in the order perf.gpu.round runs them: the bench first (alone on the GPU:
-# the figures, and whether served answers are right), the GPU tests, instance_io (which way of serving answers right:
+# the figures, and whether served answers are right), the engine alone (the served path's reference), the GPU tests, instance_io (which way of serving answers right:
 # only when the bench's answers were wrong, unless asked), then the narrower checks and the extras. Without CUDA a
 # step that needs it is skipped, unless the round is a dry run: then the CPU stands in.
 STEPS = {
     "environment": ("perf.gpu.checks", "environment", False),
     "bench": ("perf.gpu.bench_steps", "round_step", True),
+    "engine": ("perf.gpu.engine", "round_step", True),
     "gpu_tests": ("perf.gpu.checks", "gpu_tests", True),
     "instance_io": ("perf.gpu.io_variants", "instance_io", True),
     "gpu_output": ("perf.gpu.served", "gpu_output", True),
@@ -36,6 +37,8 @@ STEPS = {
     "compile": ("perf.gpu.compile", "round_step", True),
     "python_backend_probe": ("perf.gpu.served", "python_backend_probe", True),
 }
+# What perf.gpu.round runs unless --steps names others: compile (torch.compile's warm-up takes minutes) only on demand.
+DEFAULT_STEPS = tuple(step for step in STEPS if step != "compile")
 
 
 class StepFailed(Exception):
