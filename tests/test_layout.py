@@ -89,3 +89,44 @@ def test_modules_parse_and_import_as_python_3_10_does_when_read(room):
         ast.parse(text, filename=str(path), feature_version=(3, 10))
         found = PY311.search(text)
         assert found is None, f"{path.relative_to(ROOT)}: {found.group()} needs Python 3.11"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports, at the top or inside a function (a deferred import is still an
+    arrow: it only hides a circle from the interpreter until the function runs)."""
+    names = {}
+    for room in ALLOWED:
+        for path in _modules(room):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            names[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in names.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = (found & set(names)) - {name}
+    return graph
+
+
+def test_modules_import_each_other_without_a_circle_when_every_import_is_followed():
+    graph, state, path, circles = _module_graph(), {}, [], []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if state.get(imported) == "open":
+                circles.append(" -> ".join(path[path.index(imported):] + [imported]))
+            elif imported not in state:
+                visit(imported)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert len(graph) > 100 and graph["perf.gpu.served"]  # the house was read
+    assert circles == []

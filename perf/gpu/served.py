@@ -214,7 +214,7 @@ def python_backend_probe(ctx: Context) -> None:
     """Served img/s of echo models (CPU and GPU instances) vs the classifier (fp16), same client: the
     python backend's own ceiling on this machine."""
     from builder import cli as build_repo
-    from perf.gpu.bench import run_load
+    from perf.gpu.load import run_load
 
     work = Path(tempfile.mkdtemp(prefix="diagnose-probe-"))
     repo = work / "repo"
@@ -226,7 +226,7 @@ def python_backend_probe(ctx: Context) -> None:
         write_echo(repo, "echo_cpu", "KIND_CPU")
         write_echo(repo, "echo_gpu", "KIND_CPU" if ctx.dry_run else "KIND_GPU")
         points = ctx.details["points"] = []
-        ctx.details["client"] = (f"perf.gpu.bench.run_load: {processes} processes, gRPC, 1 image per request, "
+        ctx.details["client"] = (f"perf.gpu.load.run_load: {processes} processes, gRPC, 1 image per request, "
                                  f"system shm, {seconds:g} s")
         with served(ctx, repo, "python_backend_probe") as server:
             for model in (("echo_cpu", MODEL) if ctx.dry_run else ("echo_cpu", "echo_gpu", MODEL)):

@@ -16,12 +16,11 @@ DEFAULTS = {
     "management_address": "http://127.0.0.1:8081",
     "metrics_address": "http://127.0.0.1:8082",
     "max_request_size": 6553500,
-    "max_response_size": 6553500,
     "job_queue_size": 100,
 }
 HONOURED = {"inference_address", "management_address", "metrics_address", "model_store", "load_models", "models",
-            "enable_model_api", "default_workers_per_model", "max_request_size", "max_response_size",
-            "job_queue_size", "disable_token_authorization", "default_response_timeout", "default_startup_timeout",
+            "enable_model_api", "default_workers_per_model", "max_request_size", "job_queue_size",
+            "disable_token_authorization", "default_response_timeout", "default_startup_timeout",
             "allowed_urls", "max_workers_per_model", "max_pixels", "model_snapshot",
             "grpc_inference_address", "grpc_inference_port", "grpc_management_address", "grpc_management_port",
             "enable_grpc_ssl"}
@@ -100,7 +99,6 @@ class Settings:
     default_workers: int | None = None
     max_workers: int = DEFAULT_MAX_WORKERS  # max_workers_per_model
     max_request_size: int = DEFAULTS["max_request_size"]
-    max_response_size: int = DEFAULTS["max_response_size"]
     job_queue_size: int = DEFAULTS["job_queue_size"]
     token_auth: bool = True
     response_timeout: int = 120
@@ -172,7 +170,7 @@ def settings(path: Path | None, base: Path | None = None) -> Settings:
         result.max_workers = _int(entries["max_workers_per_model"], "max_workers_per_model", 1)
     if "max_pixels" in entries:
         result.max_pixels = _int(entries["max_pixels"], "max_pixels", 1)
-    for key in ("max_request_size", "max_response_size", "job_queue_size"):
+    for key in ("max_request_size", "job_queue_size"):
         if key in entries:
             setattr(result, key, _int(entries[key], key, 1))
     if "default_response_timeout" in entries:
