@@ -225,12 +225,13 @@ def serialize(answer) -> tuple[bytes, bool]:
 
 
 def _answer(context, index: int, answer) -> Answer:
-    payload, is_json = serialize(answer)
+    payload, _ = serialize(answer)
     code, phrase = context.get_response_status(index)
     if code is not None and code >= 400:  # the handler failed this request alone (context.set_response_status)
         return Answer(error=phrase or "error", status=code)
-    content_type = context.get_response_content_type(index) or (JSON if is_json else "")
-    return Answer(payload, content_type)
+    # The type the handler set, or none: TorchServe's frontend sends a handler's answer with no content-type unless
+    # its handler set one (RestJob.responseInference), JSON or not.
+    return Answer(payload, context.get_response_content_type(index) or "")
 
 
 def _fail(count: int, message: str, reason: str = "", status=PREDICTION_FAILED) -> list[Answer]:

@@ -264,6 +264,12 @@ def _main(args, workdir: Path, out: dict) -> int:
             return _handler_model(args, out)
         if args.from_mar is not None:
             archive = mar.read(args.from_mar, workdir / "archive", int(args.max_archive_gb * (1 << 30)))
+            if args.trust_model_code and sources.unmatched_torchscript(archive):
+                # A TorchScript module no torchvision architecture holds: TorchServe's answer is its handler's
+                print(f"{args.from_mar.name}: its TorchScript module is no torchvision classifier; serving it with "
+                      "its own handler (--handler-path)")
+                args.handler_path = True
+                return _handler_model(args, out)
         plan = make_plan(args, archive)
     except cfg.ConfigError as exc:
         return _failed(out, exc, 2)

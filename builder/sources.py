@@ -9,7 +9,7 @@ from pathlib import Path
 
 from builder import custom, mar
 from builder.plan import Plan
-from builder.weights import Classifier, ModelCode, load_classifier, read_state_dict
+from builder.weights import Classifier, ModelCode, WeightsError, is_torchscript, load_classifier, read_state_dict
 
 
 def load(plan: Plan, archive: mar.Archive | None = None) -> Classifier:
@@ -30,8 +30,25 @@ def load(plan: Plan, archive: mar.Archive | None = None) -> Classifier:
                                   source=f"model file {plan.model_file.name}")
 
 
+def archive_state(archive: mar.Archive) -> dict:
+    """The archive's weights: its state_dict, or a TorchScript module's own parameters (TorchServe's scripted
+    archives: no model file); an error names the archive and its member, never the folder it was extracted to."""
+    try:
+        return read_state_dict(archive.serialized_file, torchscript=archive.model_file is None)
+    except WeightsError as exc:
+        label = f"{archive.path.name}:{archive.serialized_file.name}"
+        raise mar.ArchiveError(str(exc).replace(str(archive.serialized_file), label)) from None
+
+
+def unmatched_torchscript(archive: mar.Archive) -> bool:
+    """A TorchScript archive whose module is no torchvision classifier: only its own handler can serve it."""
+    if archive.model_file is not None or not is_torchscript(archive.serialized_file):
+        return False
+    return custom.match_torchvision(archive_state(archive)) is None
+
+
 def _from_archive(plan: Plan, archive: mar.Archive, labels) -> Classifier:
-    state = read_state_dict(archive.serialized_file)
+    state = archive_state(archive)
     if labels is None and archive.labels_file is not None:
         labels = custom.load_labels(archive.labels_file)
     label = f"{archive.path.name}:{archive.serialized_file.name}"
@@ -43,8 +60,11 @@ def _from_archive(plan: Plan, archive: mar.Archive, labels) -> Classifier:
         return custom.torchvision_classifier(architecture, classes, state, plan.name, label, plan.preprocessing,
                                              custom.fit_labels(labels, classes, label), source)
     if archive.model_file is None:
-        raise mar.ArchiveError(f"the weights in {archive.path.name} fit no torchvision classification model and "
-                               "the archive has no model file to build them with")
+        what = "TorchScript module" if is_torchscript(archive.serialized_file) else "weights"
+        raise mar.ArchiveError(f"the {what} in {archive.path.name} fit{'s' if what != 'weights' else ''} no torchvision "
+                               "classification model and the archive has no model file to build them with: serve it "
+                               "with its own handler (--handler-path --trust-model-code; serve-repo's TorchServe "
+                               "mode chooses that itself)")
     if not plan.trust_model_code:
         why = (f"fit torchvision's {match[0]}, but in {archive.model_file.name} {behaviour}, so torchvision's code "
                "would answer differently" if match else "fit no torchvision classification model")

@@ -135,12 +135,16 @@ def _from_file(name: str, path: Path, default: Weights) -> Classifier:
     return _with_state(name, read_state_dict(path), str(path), default, pretrained=True)
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(path: Path, torchscript: bool = False) -> dict[str, torch.Tensor]:
     """A state_dict from `path` with weights_only=True (nothing in the file is executed), or WeightsError
-    in one line saying what the file holds instead."""
+    in one line saying what the file holds instead. `torchscript`: a TorchScript module's own parameters and
+    buffers (a scripted or traced module keeps the names of the module it was made from; loading it compiles its
+    TorchScript, which runs no Python)."""
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist")
     if _is_torchscript(path):
+        if torchscript:
+            return scripted_state_dict(path)
         raise WeightsError(f"{path} is a TorchScript module, not a state_dict; save model.state_dict() "
                            "with torch.save and build from that")
     try:
@@ -161,6 +165,24 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         kind = type(state).__name__ if not isinstance(state, dict) else "dict that is not name -> tensor"
         raise WeightsError(f"{path} holds a {kind}, not a state_dict")
     return state
+
+
+def scripted_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of the TorchScript module in `path`, by name, on the CPU."""
+    try:
+        module = torch.jit.load(str(path), map_location="cpu")
+    except Exception as exc:
+        raise WeightsError(f"{path} looks like a TorchScript module but does not load as one: "
+                           f"{type(exc).__name__}: {first_line(exc)}") from None
+    state = {name: value.detach().clone() for name, value in module.state_dict().items()}
+    if not state:
+        raise WeightsError(f"{path} is a TorchScript module with no parameters")
+    return state
+
+
+def is_torchscript(path: Path) -> bool:
+    """Whether `path` is a TorchScript module's zip (torch.jit.save's), not a state_dict."""
+    return path.is_file() and _is_torchscript(path)
 
 
 def _all_tensors(state: dict) -> bool:

@@ -62,10 +62,12 @@ def imagenet_labels() -> dict[str, list[str]]:
 
 
 def resnet_archive(store: Path, name: str, batch_size: int | None, delay_ms: int | None, workers: int | None,
-                   seed: int = 0, arch: str = "resnet152", fc_scale: float = 1.0, version: str = "1.0") -> Path:
+                   seed: int = 0, arch: str = "resnet152", fc_scale: float = 1.0, version: str = "1.0",
+                   scripted: bool = False) -> Path:
     """<store>/<name>.mar: the weights `build-repo --model ARCH --weights random --seed SEED` serves (the last layer
     scaled by `fc_scale`: a random ResNet's logits are so large that its softmax is one 1.0 and zeros); its
-    model-config.yaml holds the batching and workers given (None: left to the registration)."""
+    model-config.yaml holds the batching and workers given (None: left to the registration). `scripted`: as
+    TorchServe's `_scripted` examples, torch.jit.script of the model as the serialized file and no model file."""
     import torch
     import torchvision
 
@@ -75,14 +77,20 @@ def resnet_archive(store: Path, name: str, batch_size: int | None, delay_ms: int
     state["fc.bias"] *= fc_scale
     src = store.parent / f"{name}-src"
     src.mkdir(parents=True, exist_ok=True)
-    (src / "model.py").write_text(model_code(arch))
-    torch.save(state, src / "weights.pth")
+    if scripted:
+        model = getattr(torchvision.models, arch)(weights=None)
+        model.load_state_dict(state)
+        torch.jit.save(torch.jit.script(model.eval()), src / "model.pt")
+    else:
+        (src / "model.py").write_text(model_code(arch))
+        torch.save(state, src / "weights.pth")
     (src / "index_to_name.json").write_text(json.dumps(imagenet_labels()))
     settings = {"minWorkers": workers, "maxWorkers": workers, "batchSize": batch_size, "maxBatchDelay": delay_ms}
     lines = "".join(f"{k}: {v}\n" for k, v in settings.items() if v is not None)
     (src / "model-config.yaml").write_text(lines)
     argv = [executables()["torch-model-archiver"], "--model-name", name, "--version", version,
-            "--model-file", str(src / "model.py"), "--serialized-file", str(src / "weights.pth"),
+            *([] if scripted else ["--model-file", str(src / "model.py")]),
+            "--serialized-file", str(src / ("model.pt" if scripted else "weights.pth")),
             "--handler", "image_classifier", "--extra-files", str(src / "index_to_name.json"),
             *(["--config-file", str(src / "model-config.yaml")] if lines else []), "--export-path", str(store),
             "--force"]

@@ -96,7 +96,19 @@ def made(tmp_path_factory):
         "effnet_mar": make_archive(folder, "effnet-lite0", EFFICIENTNET_MODEL, efficientnet_state(),
                                torchserve_labels(IMAGENET)),
         "effnet_file": effnet_file,
+        # TorchServe's `_scripted` examples: a scripted (or traced) model as the serialized file, no model file
+        "scripted_mar": _scripted_archive(folder, "resnet-18-scripted", torch.jit.script(resnet)),
+        "scripted_tiny_mar": _scripted_archive(folder, "tinynet-scripted",
+                                               torch.jit.trace(tiny, torch.zeros(1, 3, 224, 224))),
     }
+
+
+def _scripted_archive(folder: Path, name: str, module) -> Path:
+    module.save(str(folder / f"{name}.pt"))
+    return _zip(folder / f"{name}.mar", {
+        "MAR-INF/MANIFEST.json": _manifest(serializedFile=f"{name}.pt", handler="image_classifier", modelName=name),
+        f"{name}.pt": (folder / f"{name}.pt").read_bytes(),
+        "index_to_name.json": json.dumps(torchserve_labels(IMAGENET)).encode()})
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +117,7 @@ def migrated(made, tmp_path_factory):
     repo = tmp_path_factory.mktemp("byo-repo") / "model_repository"
     out = str(repo)
     _build("--from-mar", str(made["seed_mar"]), "--output", out)
+    _build("--from-mar", str(made["scripted_mar"]), "--name", "scripted", "--output", out)  # no flag needed
     _build("--from-mar", str(made["tiny_mar"]), "--trust-model-code", "--engine", "torch", "--output", out)
     _build("--from-mar", str(made["effnet_mar"]), "--trust-model-code", "--engine", "torch", "--output", out)
     # Nothing but what the archive needs: the defaults a TorchServe user gets (engine openvino, precision fp32).
@@ -259,6 +272,33 @@ def test_archive_built_with_defaults_answers_as_torchserves_pipeline_when_real_p
         assert list(np.argsort(-logits[0])[:5]) == list(np.argsort(-expected[0])[:5]), path.name
 
 
+def test_scripted_archive_answers_as_torchserves_pipeline_on_its_module_when_served(made, served):
+    """A TorchScript image_classifier archive (no model file): its module's weights on torchvision's resnet18, the
+    fast image path, TorchServe's answer (its handler runs the scripted module itself)."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(served.http_url)
+    tensor = httpclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[CAT.read_bytes()]], dtype=object))
+    logits = client.infer("scripted_image", [tensor]).as_numpy("LOGITS")
+    expected = _handler_logits(torch.jit.load(str(made["folder"] / "resnet-18-scripted.pt")), CAT)
+    error = float(np.abs(logits - expected).max() / (expected.max() - expected.min()))
+    assert error <= 1e-5 and list(np.argsort(-logits[0])[:5]) == list(np.argsort(-expected[0])[:5]), error
+
+
+def test_scripted_archive_of_no_torchvision_model_takes_its_handler_when_trusted_and_says_why_when_not(
+        made, tmp_path, capsys):
+    archive = made["scripted_tiny_mar"]
+    assert build_repo.main(["--from-mar", str(archive), "--output", str(tmp_path / "a"), "--kind", "cpu"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "fits no torchvision classification model" in err and "--handler-path" in err and "build-repo-" not in err
+    assert build_repo.main(["--from-mar", str(archive), "--output", str(tmp_path / "b"), "--kind", "cpu",
+                            "--trust-model-code"]) == 0
+    assert "serving it with its own handler" in capsys.readouterr().out
+    config = read_config(tmp_path / "b" / "tinynet-scripted")
+    assert config.backend == "python" and (tmp_path / "b" / "tinynet-scripted" / "1" / "ts_worker.py").is_file()
+
+
 def test_archive_built_with_defaults_serves_fp32_with_openvino_when_nothing_is_asked(migrated):
     params = {key: value.string_value for key, value in read_config(migrated / DEFAULTS).parameters.items()}
     assert (params["engine"], params["precision"]) == ("openvino", "fp32")
@@ -333,6 +373,7 @@ def test_malformed_archive_gets_one_line_and_writes_nothing(tmp_path, kind, caps
     status = build_repo.main(["--from-mar", str(archive), "--output", str(repo), "--kind", "cpu", *extra])
     err = capsys.readouterr().err.strip()
     assert status != 0 and len(err.splitlines()) == 1 and phrase in err, err
+    assert "build-repo-" not in err  # the archive and its member are named, never the folder it was extracted to
     assert not repo.exists() or not any(repo.iterdir())
     assert not list(tmp_path.glob(".repo-build-*"))
 

@@ -1,11 +1,15 @@
 """TorchServe 0.12 and serve-repo's TorchServe front, call by call: the table of tests/parity_table.py replayed in
-order on both, on copies of the same model store; status codes and bodies compared (byte for byte where TorchServe's
-are deterministic, keys and value types otherwise); every intended difference is listed in docs/migrating.md."""
+order on both, on copies of the same model store; status codes, headers and bodies compared (bodies byte for byte where
+TorchServe's are deterministic, keys and value types otherwise); every intended difference is listed in
+docs/migrating.md."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +21,6 @@ from perf import torchserve
 from perf.serve import TorchServeFront
 from support import ROOT
 from test_handler import _archive
-from test_torchserve_api import call
 
 # expl.mar's handler: TorchServe's BaseHandler with a deterministic explain_handle (each value doubled)
 EXPLAINED_HANDLER = '''
@@ -48,20 +51,44 @@ ATTRIBUTIONS_CLOSE = 1e-4  # of the largest attribution: both run eager PyTorch,
 BODIES = {"photo": PHOTO.read_bytes(), "empty": b"", "text": b"hello"}
 
 
-def send(method: str, url: str, body: str | None) -> tuple[int, bytes]:
-    """A row's call: a named binary body, or the row's text as JSON (test_torchserve_api's `call`)."""
-    if body in BODIES:
-        return call(method, url, BODIES[body])
-    if body is not None:
-        return call(method, url, body.encode(), {"Content-Type": "application/json"})
-    return call(method, url)
+# The headers compared on every row: TorchServe's own four (x-request-id a new UUID each time), the content type (none
+# on a handler's answer that set none), and the two a Python server adds and TorchServe does not (server, date).
+COMPARED_HEADERS = ("content-type", "x-request-id", "pragma", "cache-control", "expires", "server", "date")
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def headers_of(message) -> tuple:
+    """The compared headers an answer carries, (name, value) in COMPARED_HEADERS' order; values that differ by
+    nature (the request id, the date) by their form."""
+    found = []
+    for name in COMPARED_HEADERS:
+        value = message.get(name)
+        if value is not None:
+            found.append((name, "a UUID" if name == "x-request-id" and UUID.fullmatch(value) else
+                          "a date" if name == "date" else value))
+    return tuple(found)
+
+
+def send(method: str, url: str, body: str | None) -> tuple[int, bytes, tuple]:
+    """A row's call (a named binary body, or the row's text as JSON): (status, body, headers_of its answer)."""
+    data, headers = None, {}
+    if body in BODIES:  # urllib's default for a body is a form's content type, which TorchServe tries to parse
+        data, headers = BODIES[body], {"Content-Type": "application/octet-stream"}
+    elif body is not None:
+        data, headers = body.encode(), {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.status, reply.read(), headers_of(reply.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), headers_of(error.headers)
 
 
 def wait_ready(url: str, timeout: float = 300) -> None:
     """The model's workers all READY (a registration or scale answered 202 goes on in the background)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status, body = send("GET", url, None)
+        status, body, _ = send("GET", url, None)
         if status == 200:
             described = json.loads(body)[0]
             workers = described["workers"]
@@ -71,13 +98,13 @@ def wait_ready(url: str, timeout: float = 300) -> None:
     raise AssertionError(f"{url}: workers not READY after {timeout} s")
 
 
-def replay(inference: str, management: str) -> list[tuple[int, bytes]]:
+def replay(inference: str, management: str) -> list[tuple]:
     answers = []
     for method, path, body, compare in ROWS:
         url = (inference if path.startswith("i:") else management) + path[2:]
         if compare == "wait":
             wait_ready(url)
-            answers.append((0, b""))
+            answers.append((0, b"", ()))
         else:
             answers.append(send(method, url, body))
     return answers
@@ -121,12 +148,14 @@ def described_apart(mine: dict, reference: dict) -> str | None:
     return None
 
 
-def different(compare: str, ours: tuple[int, bytes], theirs: tuple[int, bytes]) -> str | None:
+def different(compare: str, ours: tuple, theirs: tuple) -> str | None:
     """Why `ours` is not `theirs` under `compare`; None: the same."""
     if compare == "wait":
         return None
     if ours[0] != theirs[0]:
         return f"status {ours[0]} != {theirs[0]}"
+    if ours[2] != theirs[2]:
+        return f"headers {ours[2]} != {theirs[2]}"
     if compare == "openapi":
         return described_apart(json.loads(ours[1]), json.loads(theirs[1]))
     if compare == "workers":
@@ -170,13 +199,13 @@ def copy_of(store: Path, to: Path) -> Path:
     return to
 
 
-def theirs(store: Path, folder: Path) -> list[tuple[int, bytes]]:
+def theirs(store: Path, folder: Path) -> list[tuple]:
     copied = copy_of(store, folder / "model_store")
     with torchserve.started(folder, copied / "r18.mar", workers=1, properties={"enable_model_api": "true"}) as real:
         return replay(real.inference_url, real.management_url)
 
 
-def ours(store: Path, folder: Path) -> list[tuple[int, bytes]]:
+def ours(store: Path, folder: Path) -> list[tuple]:
     copied = copy_of(store, folder / "model_store")
     front = TorchServeFront(folder / "front", "--trust-model-code", model_store=str(copied),
                             load_models="r18=r18.mar", enable_model_api="true", disable_token_authorization="true",

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import secrets
+import uuid
 from pathlib import Path
 
 from starlette.requests import Request
@@ -40,10 +41,39 @@ def dumps(value) -> str:
 
 
 def reply(value, status: int = 200, end: str = "\n", handler: bool = False) -> Response:
-    """The frontend's own answers end in a newline; a handler's (predictions) do not, and are Python's json.dumps
-    (`handler`: beyond ASCII escaped)."""
+    """The frontend's own answers end in a newline and say they are JSON; a handler's (predictions) do not, are
+    Python's json.dumps (`handler`: beyond ASCII escaped) and carry no content type, as TorchServe sends a handler's
+    answer with the type its handler set, and image_classifier sets none."""
     text = json.dumps(value, indent=2) if handler else dumps(value)
-    return Response(text + end, status, media_type="application/json")
+    return Response(text + end, status, media_type=None if handler else "application/json")
+
+
+# What TorchServe's NettyUtils.sendHttpResponse adds to every answer of its three HTTP APIs (besides x-request-id, a
+# new UUID per request); it sends no `server` or `date` header (uvicorn's are off: run.Front).
+NO_CACHE = ((b"pragma", b"no-cache"), (b"cache-control", b"no-cache; no-store, must-revalidate, private"),
+            (b"expires", b"Thu, 01 Jan 1970 00:00:00 UTC"))
+_SET_HERE = {b"x-request-id"} | {name for name, _ in NO_CACHE}
+
+
+class TorchServeHeaders:
+    """ASGI middleware: every HTTP answer gets TorchServe's x-request-id (a UUID of its own, as TorchServe's Session
+    makes one per request) and its three no-cache headers, whoever made the answer (a route, the token guard)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = str(uuid.uuid4()).encode()
+
+        async def with_headers(message):
+            if message["type"] == "http.response.start":
+                kept = [(name, value) for name, value in message.get("headers", []) if name.lower() not in _SET_HERE]
+                message = {**message, "headers": [*kept, (b"x-request-id", request_id), *NO_CACHE]}
+            await send(message)
+
+        return await self.app(scope, receive, with_headers)
 
 
 def error(status: int, message: str, kind: str | None = None) -> Response:

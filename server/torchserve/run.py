@@ -24,6 +24,7 @@ from server.torchserve.metrics import Metrics
 from server.torchserve.ping import KEY_FILE  # TorchServe writes it in the directory it was started from
 from server.torchserve.properties import PropertiesError, Settings, settings as read_settings
 from server.torchserve.registry import Conflict, Registry
+from server.torchserve.replies import TorchServeHeaders
 from server.torchserve.replies import Tokens
 from server.triton import TritonServer
 
@@ -208,9 +209,12 @@ class Front:
         self.servers = []
         for api, app in apps.items():
             host, port = getattr(config, api)
-            self.servers.append(uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                              access_log=False, http=BoundedHttpToolsProtocol, lifespan="on",
-                                                              timeout_keep_alive=120)))
+            # TorchServe's headers on every answer, and none of uvicorn's own (server, date): TorchServe sends neither
+            self.servers.append(uvicorn.Server(uvicorn.Config(TorchServeHeaders(app), host=host, port=port,
+                                                              log_level="warning", access_log=False,
+                                                              http=BoundedHttpToolsProtocol, lifespan="on",
+                                                              timeout_keep_alive=120, server_header=False,
+                                                              date_header=False)))
         self.ready = threading.Event()
         self.failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="torchserve-api", daemon=True)
