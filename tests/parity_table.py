@@ -7,7 +7,8 @@ types: timestamps, pids, probabilities), "status" (the status alone: TorchServe'
 "wait" (not compared: both are polled until the model's workers are READY), "workers" (status, then each
 described version's minWorkers, maxWorkers and number of workers), "openapi" (an OpenAPI document whose
 paths, methods, operations and parameters are TorchServe's or fewer; explanation paths may be added), "attributions"
-(status, then captum's attributions: the same shape, values close), or a difference listed in docs/migrating.md:
+(status, then captum's attributions: the same shape, values close), "probabilities" (status, then the same classes
+in the same order, each probability within 1e-4), or a difference listed in docs/migrating.md:
 "differs: REASON" (REASON is a phrase of that page)."""
 from __future__ import annotations
 
@@ -273,6 +274,11 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("POST", "i:/explanations/r18", "text", "bytes"),
     ("POST", "i:/explanations/r18/9.9", "photo", "bytes"),
     ("POST", "i:/v1/models/r18:predict", "photo", "json"),
+    # -- a TorchScript image_classifier archive (torch.jit.script of resnet18, no model file), config unchanged --
+    ("POST", "m:/models?url=r18s.mar&initial_workers=1&synchronous=true", None, "bytes"),
+    ("POST", "i:/predictions/r18s", "photo", "probabilities"),
+    ("GET", "m:/models/r18s", None, "workers"),
+    ("DELETE", "m:/models/r18s", None, "bytes"),
     # -- handler and startup_timeout, applied as TorchServe applies them --
     # (after a failed start TorchServe unregisters the model when its worker's failure comes back, at times after it
     # answered: the next calls name other models)

@@ -47,6 +47,7 @@ class Explained(BaseHandler):
 '''
 
 PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
+PROBABILITIES_CLOSE = 1e-4  # ours on OpenVINO fp32, TorchServe's eager: within 1e-5 of the logits' range
 ATTRIBUTIONS_CLOSE = 1e-4  # of the largest attribution: both run eager PyTorch, threads may sum in another order
 BODIES = {"photo": PHOTO.read_bytes(), "empty": b"", "text": b"hello"}
 
@@ -170,6 +171,12 @@ def different(compare: str, ours: tuple, theirs: tuple) -> str | None:
             return f"attributions of shape {mine.shape}, TorchServe's {reference.shape}"
         gap, largest = float(np.abs(mine - reference).max()), float(np.abs(reference).max())
         return None if gap <= ATTRIBUTIONS_CLOSE * largest else f"attributions {gap:.3g} apart (largest {largest:.3g})"
+    if compare == "probabilities":  # an image classifier's top 5: the same engine's arithmetic within float noise
+        mine, reference = json.loads(ours[1]), json.loads(theirs[1])
+        if list(mine) != list(reference):
+            return f"classes {list(mine)} != {list(reference)}"
+        gap = max(abs(mine[name] - reference[name]) for name in reference)
+        return None if gap <= PROBABILITIES_CLOSE else f"probabilities {gap:.3g} apart"
     if compare == "json":
         mine, reference = json.loads(ours[1] or b"null"), json.loads(theirs[1] or b"null")
         if shape(mine) != shape(reference):
@@ -189,6 +196,10 @@ handler's, with explanations."""
                                          version=version)
         made.rename(folder / f"{file}.mar")
         shutil.rmtree(made.parent)
+    scripted = torchserve.resnet_archive(folder / "r18s", "r18s", None, None, None, arch="resnet18", fc_scale=0.01,
+                                         scripted=True)
+    scripted.rename(folder / "r18s.mar")
+    shutil.rmtree(scripted.parent)
     (folder / "junk.mar").write_text("hello\n")
     _archive(folder.parent / "expl", "expl", EXPLAINED_HANDLER).rename(folder / "expl.mar")
     return folder
