@@ -184,8 +184,10 @@ def test_each_change_is_in_a_snapshot_before_it_is_answered_when_made_over_rest(
     stop (it wrote none: a kill -9 lost it); the archive from outside the store is in the store, named by the snapshot,
     as TorchServe 0.12 copies it."""
     _, front, _ = ours
-    before_stop = model_snapshot(written(front.folder)[-2])["models"]
-    assert written(front.folder)[-2].name.endswith("-snapshot.cfg") and set(before_stop) == set(MODELS)
+    files = written(front.folder)
+    last = files[[path.name.endswith("-shutdown.cfg") for path in files].index(True) - 1]  # the first run's last
+    before_stop = model_snapshot(last)["models"]
+    assert last.name.endswith("-snapshot.cfg") and set(before_stop) == set(MODELS)
     assert before_stop["delta"]["1.0"]["marName"] == "delta.mar" and theirs[2]  # TorchServe's copy was the file
     assert (store / "delta.mar").read_bytes() == (store.parent / "outside" / "delta.mar").read_bytes()
 
