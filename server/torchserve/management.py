@@ -100,6 +100,9 @@ class Management:
         # Registrations, scaling and unregistering (downloads, builds) in threads of their own: slow ones never take
         # the threads /ping, describe and /metrics need (asyncio's default pool, 6 threads on 2 cores).
         self._changes = ThreadPoolExecutor(max_workers=CHANGE_THREADS, thread_name_prefix="torchserve-change")
+        # An http(s) URL's refusals, checked before a registration answered ahead of its download: never behind
+        # the downloads that may hold every change thread (a host's name is resolved: off the event loop)
+        self._checks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torchserve-url-check")
 
     async def _change(self, call, *args, **kwargs):
         """`call` in a change thread, awaited."""
@@ -171,8 +174,8 @@ class Management:
         if not _bool(params, "synchronous", True, log):
             if url.lower().startswith(("http://", "https://")):  # a download may be slow: in the background too,
                 # but a URL the policy refuses is refused now, as synchronously (issue 52 F4)
-                await self._change(locate, url, self.registry.store, allowed_urls=self.registry.allowed_urls,
-                                   fetch=False)
+                await asyncio.get_running_loop().run_in_executor(self._checks, functools.partial(
+                    locate, url, self.registry.store, allowed_urls=self.registry.allowed_urls, fetch=False))
                 self._background(self._register_later, args)
                 return reply({"status": "Processing worker updates..."}, 202)
             # as TorchServe: the archive read and the model known now, its workers to come
