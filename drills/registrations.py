@@ -10,6 +10,7 @@ import json
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -21,6 +22,7 @@ import grpc
 import psutil
 
 from common.cli import OneLineParser, write_result
+from perf.bench import machine
 from perf.serve import TorchServeFront
 from perf.torchserve import executables
 from server.torchserve.proto import management_pb2, management_pb2_grpc
@@ -40,7 +42,8 @@ class Scaled(BaseHandler):
         self.initialized = True
 
     def preprocess(self, data):
-        return [json.loads(row.get("data") or row.get("body")) for row in data]
+        rows = [row.get("data") or row.get("body") for row in data]
+        return [json.loads(row) if isinstance(row, (bytes, bytearray)) else row for row in rows]
 
     def inference(self, rows):
         return [{"sum": sum(row["values"]) * self.scale} for row in rows]
@@ -78,11 +81,12 @@ class Client:
     """Random changes over REST and gRPC; `expected`: what the answered ones left; `uncertain`: names whose last change
     got no answer (the kill came first): either state is right for them."""
 
-    def __init__(self, front: TorchServeFront, rng: random.Random, expected: dict, uncertain: set):
+    def __init__(self, front: TorchServeFront, rng: random.Random, expected: dict, uncertain: set, history: list):
         self.front, self.rng, self.expected, self.uncertain = front, rng, expected, uncertain
         self.channel = grpc.insecure_channel(f"127.0.0.1:{front.grpc_ports[1]}")
         self.grpc = management_pb2_grpc.ManagementAPIsServiceStub(self.channel)
         self.answered = 0
+        self.history = history  # each change asked for and whether it was answered OK, every round's
 
     def change(self) -> None:
         name = self.rng.choice(NAMES)
@@ -100,7 +104,9 @@ class Client:
             low = int(self.rng.random() < 0.3)
             high = low + self.rng.randrange(2)
             wanted = {**self.expected[name], "min": low, "max": high}
-            if over_grpc:
+            if over_grpc:  # TorchServe's gRPC: 0 is an unset field (min_worker 1, max_worker min_worker)
+                low, high = low or 1, high or low or 1
+                wanted.update(min=low, max=max(high, low))
                 ok = self._grpc("ScaleWorker", management_pb2.ScaleWorkerRequest(
                     model_name=name, min_worker=low, max_worker=high, synchronous=synchronous))
             else:
@@ -112,6 +118,7 @@ class Client:
                 ok = self._grpc("UnregisterModel", management_pb2.UnregisterModelRequest(model_name=name))
             else:
                 ok = self._rest("DELETE", f"/models/{name}")
+        self.history.append(f"{name} {'grpc' if over_grpc else 'rest'} sync={synchronous} {wanted} -> {ok}")
         if ok is None:  # no answer: killed meanwhile
             self.uncertain.add(name)
             raise ConnectionError(name)
@@ -163,19 +170,23 @@ def check(front: TorchServeFront, expected: dict, uncertain: set) -> dict:
     status, body = rest("GET", f"{front.management_url}/models")
     listed = {entry["modelName"] for entry in json.loads(body)["models"]}
     problems = {"lost": sorted(set(expected) - listed - uncertain),
-                "extra": sorted(listed - set(expected) - uncertain), "changed": [], "wrong_archive": []}
+                "extra": sorted(listed - set(expected) - uncertain), "changed": [], "wrong_archive": [],
+                "not_answering": []}
     for name in sorted(listed & set(expected)):
         described = json.loads(rest("GET", f"{front.management_url}/models/{name}")[1])[0]
         wanted = expected[name]
         if name not in uncertain and (described["minWorkers"], described["maxWorkers"]) != (wanted["min"],
                                                                                              wanted["max"]):
-            problems["changed"].append(name)
+            problems["changed"].append(f"{name}: {described['minWorkers']}..{described['maxWorkers']} workers, answered "
+                                       f"{wanted['min']}..{wanted['max']}")
         if Path(described["modelUrl"]).name != wanted["archive"]:
-            problems["wrong_archive"].append(name)
+            problems["wrong_archive"].append(f"{name}: {described['modelUrl']}, registered {wanted['archive']}")
         elif described["minWorkers"] and name not in uncertain:
             status, answer = rest("POST", f"{front.inference_url}/predictions/{name}", b'{"values": [1, 2]}')
-            if status != 200 or json.loads(answer).get("sum") != 3 * SCALES[wanted["archive"]]:
-                problems["wrong_archive"].append(name)
+            if status != 200:
+                problems["not_answering"].append(f"{name}: {status} {answer[:200].decode(errors='replace')}")
+            elif json.loads(answer).get("sum") != 3 * SCALES[wanted["archive"]]:
+                problems["wrong_archive"].append(f"{name}: answered {answer[:200].decode(errors='replace')}")
     return problems
 
 
@@ -191,24 +202,31 @@ def main(argv: list[str] | None = None) -> int:
     store.mkdir()
     make_archives(store)
     expected: dict = {}
-    rounds = []
+    rounds, history = [], []
     front = TorchServeFront(folder / "front", model_store=str(store), enable_model_api="true",
                             disable_token_authorization="true", max_workers_per_model="2")
     try:
         for kill in range(args.kills):
             uncertain: set = set()
-            client = Client(front, rng, expected, uncertain)
+            client = Client(front, rng, expected, uncertain, history)
             stop = threading.Event()
             worker = threading.Thread(target=client.run, args=(stop,))
             worker.start()
             delay = rng.uniform(0.2, 6.0)
             time.sleep(delay)
             kill_9(front)
+            before = front.lines
             worker.join(TIMEOUT)
             ports, grpc_ports = front.ports, front.grpc_ports
             front = TorchServeFront(folder / "front", "--model-store", str(store), config=False, ports=ports)
             front.grpc_ports = grpc_ports  # the snapshot's, as its inference_address and the others
             problems = check(front, expected, uncertain)
+            history.append(f"-- kill {kill}")
+            problems["history"] = [line for line in history
+                                   for name in [c.split(":")[0] for c in problems["changed"]] + problems["lost"]
+                                   if line.startswith(f"{name} ")]
+            problems["log"] = [line.replace(str(folder), "DRILL")[:300] for line in before + front.lines for name in problems["lost"] + [c.split(":")[0] for c in problems["changed"]]
+                               if f" {name} " in line or f":{name}," in line or "could not" in line or "failed" in line][:10]
             rounds.append({"kill_after_s": round(delay, 2), "answered_changes": client.answered,
                            "unanswered": sorted(uncertain), "registered_after": len(expected),
                            "restart_ready_s": round(front.took, 1), **problems})
@@ -225,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         front.stop()
         snapshot_bytes = sum(p.stat().st_size for p in (folder / "front" / "logs" / "config").iterdir())
         shutil.rmtree(folder, ignore_errors=True)
-    totals = {key: sum(len(r[key]) for r in rounds) for key in ("lost", "extra", "changed", "wrong_archive")}
-    result = {"kills": len(rounds), "answered_changes": sum(r["answered_changes"] for r in rounds), **totals,
+    totals = {key: sum(len(r[key]) for r in rounds) for key in ("lost", "extra", "changed", "wrong_archive", "not_answering")}
+    result = {"command": "python -m drills.registrations " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": machine(), "seed": args.seed, "kills": len(rounds), "answered_changes": sum(r["answered_changes"] for r in rounds), **totals,
               "snapshot_folder_bytes": snapshot_bytes, "rounds": rounds}
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
     write_result(result, args.out)
