@@ -120,6 +120,13 @@ def parser() -> argparse.ArgumentParser:
                          "logs/config in the working directory) and, with no --torchserve-config, none read: the "
                          "registrations last one run. Default: snapshots on, the newest one read when no config "
                          "file is given.")
+    ts.add_argument("--keep-snapshots", type=int, default=10, metavar="N",
+                    help="config snapshots kept: each one written removes those beyond the newest N (0: none "
+                         "removed, as TorchServe). Default: 10.")
+    ts.add_argument("--snapshot-fallback", choices=("on", "off"), default="on",
+                    help="with no --torchserve-config, a newest snapshot that cannot be read: on, the newest one "
+                         "that can be is read instead (said in one line); off, the start is refused (exit 2). "
+                         "Default: on.")
     ts.add_argument("--precision", choices=("auto", "fp32", "fp16", "bf16", "int8"),
                     help="build-repo --precision for the archives. Default: build-repo's (fp32 on CPU: the "
                          "archive's own answers).")

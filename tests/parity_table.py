@@ -1,5 +1,6 @@
 """The calls tests/test_torchserve_parity.py replays, in order, on TorchServe 0.12 and on serve-repo's TorchServe
-front (the same store: r18 1.0 loaded at start, r18 2.0 in r18-v2.mar, other 1.0, junk.mar no archive).
+front (the same store: r18 1.0 loaded at start, r18 2.0 in r18-v2.mar, other 1.0, junk.mar no archive; {outside} in a
+path: a folder beside the store).
 
 A row: (method, path with its query, body, compare). body: None, "photo", "empty", "text", or JSON text (sent as
 application/json). compare: "bytes" (status and body byte for byte), "json" (status, then the JSON's keys and value
@@ -289,4 +290,15 @@ ROWS: list[tuple[str, str, str | None, str]] = [
     ("POST", "m:/models?url=other.mar&model_name=slow&startup_timeout=0&initial_workers=1", None, "bytes"),
     ("POST", "m:/models?url=other.mar&model_name=slow0&startup_timeout=0&initial_workers=0", None, "bytes"),
     ("DELETE", "m:/models/slow0", None, "bytes"),
+    # -- issue 52: a file:// archive from outside the store ({outside}: other.mar as r18.mar and away.mar) is copied
+    # into the store, as TorchServe copies it; a file of that name there refuses it (never served in its place) --
+    ("POST", "m:/models?url=file://{outside}/r18.mar&model_name=elsewhere&initial_workers=0", None, "bytes"),
+    ("POST", "m:/models?url=file://{outside}/away.mar&model_name=away&initial_workers=0", None, "bytes"),
+    ("POST", "m:/models?url=file://{outside}/away.mar&model_name=away2&initial_workers=0&synchronous=false", None,
+     "bytes"),
+    ("GET", "m:/models/away", None, "json"),
+    ("DELETE", "m:/models/away", None, "bytes"),
+    ("POST", "m:/models?url=file://{outside}/away.mar&model_name=away&initial_workers=0&synchronous=false", None,
+     "bytes"),
+    ("DELETE", "m:/models/away", None, "bytes"),
 ]

@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,12 @@ from support import ROOT
 PHOTO = ROOT / "clients" / "samples" / "chelsea.jpg"
 NAME, VERSION = "resnet-18", "2.0"
 SEED_REGISTRATION = "batch_size=8&max_batch_delay=10&initial_workers=1"  # the seed's, verbatim
+ALLOWED = r"http://127\.0\.0\.1:[0-9]+/.*"  # both servers' allowed_urls: the test's web server is on loopback
+# Issue 52, compared with TorchServe 0.12 byte for byte: a file:// archive from outside the store named as one of the
+# store's is refused (TorchServe copies such an archive into its store, never over a file); a URL that allowed_urls
+# refuses is refused at once when asynchronous too (F4: it was answered 202 "Processing worker updates...")
+ISSUE_52 = {"outside same name": "url=file://{outside}/resnet-18.mar&model_name=m",
+            "async refused": "url=http%3A%2F%2F%5B%3A%3A1%5D%2Fx.mar&synchronous=false"}
 
 
 def call(method: str, url: str, data: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes]:
@@ -60,6 +67,8 @@ def store(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("ts") / "model_store"
     torchserve.resnet_archive(folder, NAME, None, None, None, arch="resnet18", fc_scale=0.01, version=VERSION)
     (folder / "not-an-archive.mar").write_text("hello\n")
+    (folder.parent / "outside").mkdir()  # issue 52 F1: a file named as the store's archive, outside it
+    (folder.parent / "outside" / f"{NAME}.mar").write_bytes(b"PK not the store's archive")
     return folder
 
 
@@ -69,7 +78,7 @@ def front(store):
     started = TorchServeFront(store.parent / "front", "--trust-model-code", model_store=str(store),
                               enable_model_api="true", disable_token_authorization="true",
                               max_request_size="3000000", max_workers_per_model="2", foo_bar="1",
-                              allowed_urls=r"http://127\.0\.0\.1:[0-9]+/.*")
+                              allowed_urls=ALLOWED)
     yield started
     started.stop()
 
@@ -91,7 +100,8 @@ def web(store):
 def reference(store, web, tmp_path_factory):
     """TorchServe 0.12 itself serving the same archive: its answers to the requests these tests send."""
     folder = tmp_path_factory.mktemp("torchserve")
-    with torchserve.started(folder, store / f"{NAME}.mar", workers=1, properties={"enable_model_api": "true"}) as real:
+    with torchserve.started(folder, store / f"{NAME}.mar", workers=1,
+                            properties={"enable_model_api": "true", "allowed_urls": ALLOWED}) as real:
         base = real.inference_url
         answers = {"photo": call("POST", f"{base}/predictions/{NAME}", PHOTO.read_bytes()),
                    "empty": call("POST", f"{base}/predictions/{NAME}", b""),
@@ -107,6 +117,8 @@ def reference(store, web, tmp_path_factory):
                    "absolute path": call("POST", f"{real.management_url}/models?url={store}/{NAME}.mar"),
                    "etc passwd": call("POST", f"{real.management_url}/models?url=/etc/passwd"),
                    "download exists": call("POST", f"{real.management_url}/models?url={web}/{NAME}.mar"),
+                   **{key: call("POST", f"{real.management_url}/models?"
+                                       + query.format(outside=store.parent / "outside")) for key, query in ISSUE_52.items()},
                    "describe unknown": call("GET", f"{real.management_url}/models/nope"),
                    "ping": call("GET", f"{base}/ping"),
                    "list": call("GET", f"{real.management_url}/models?limit=1"),
@@ -177,6 +189,8 @@ def test_answers_and_errors_are_torchserves_when_compared_with_torchserve(front,
             "etc passwd": call("POST", f"{front.management_url}/models?url=/etc/passwd"),
             # issue 42 B7: a download is never reused (nor replaced) by its file name, whatever the host
             "download exists": call("POST", f"{front.management_url}/models?url={web}/{NAME}.mar"),
+            **{key: call("POST", f"{front.management_url}/models?"
+                                   + query.format(outside=store.parent / "outside")) for key, query in ISSUE_52.items()},
             "describe unknown": call("GET", f"{front.management_url}/models/nope"),
             "ping": call("GET", f"{front.inference_url}/ping"),
             "list": call("GET", f"{front.management_url}/models?limit=1"),
@@ -602,3 +616,27 @@ def test_registrations_from_a_dripping_server_leave_ping_describe_and_metrics_an
     finally:
         stop.set()
         web.shutdown()
+
+
+def test_loopback_urls_are_refused_at_once_whether_synchronous_or_not_when_registered(front):
+    """Issue 52 F4: with synchronous=false these five were answered 202 "Processing worker updates...", the refusal
+    only in the log; now each is refused at once, as synchronously (TorchServe's answer for [::1]: the test above)."""
+    for url in ("http://127.0.0.1/x.mar", "http://[::1]/x.mar", "http://0x7f000001/x.mar", "http://localhost/x.mar",
+                "http://127.1/x.mar"):
+        for synchronous in ("false", "true"):
+            status, body = call("POST", f"{front.management_url}/models?url={urllib.parse.quote(url, safe='')}"
+                                        f"&synchronous={synchronous}")
+            assert (status, json.loads(body)["message"]) == (404, f"Given URL {url} does not match any allowed URL(s)")
+
+
+def test_a_name_past_128_characters_is_refused_naming_the_model_and_128_registered_when_asked(front):
+    """Issue 52 F3: names had no bound (1 MiB names were taken; 300 characters failed at the first worker with
+    "File name too long", naming the archive)."""
+    status, body = call("POST", f"{front.management_url}/models?url={NAME}.mar&model_name={'n' * 129}"
+                                "&initial_workers=0")
+    assert (status, json.loads(body)["message"]) == (400, f"Invalid model name: {'n' * 80}... (129 characters): at "
+                                                          "most 128 characters")
+    status, body = call("POST", f"{front.management_url}/models?url={NAME}.mar&model_name={'n' * 128}"
+                                "&initial_workers=0")
+    assert status == 200, body
+    assert call("DELETE", f"{front.management_url}/models/{'n' * 128}")[0] == 200

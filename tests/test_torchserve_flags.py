@@ -30,6 +30,7 @@ REFUSED_IN_TORCHSERVE_MODE = [
     (["--model-control", "explicit"], "--model-control: ", "--enable-model-api"),
 ]
 REFUSED_WITH_REPOSITORY = [["--models", "all"], ["--enable-model-api"], ["--disable-token-auth"], ["--ncs"],
+                           ["--keep-snapshots", "5"], ["--snapshot-fallback", "off"],
                            ["--precision", "fp16"], ["--engine", "torch"], ["--handler-path"], ["--trust-model-code"]]
 
 

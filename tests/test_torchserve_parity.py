@@ -99,10 +99,10 @@ def wait_ready(url: str, timeout: float = 300) -> None:
     raise AssertionError(f"{url}: workers not READY after {timeout} s")
 
 
-def replay(inference: str, management: str) -> list[tuple]:
+def replay(inference: str, management: str, outside: Path) -> list[tuple]:
     answers = []
     for method, path, body, compare in ROWS:
-        url = (inference if path.startswith("i:") else management) + path[2:]
+        url = (inference if path.startswith("i:") else management) + path[2:].replace("{outside}", str(outside))
         if compare == "wait":
             wait_ready(url)
             answers.append((0, b"", ()))
@@ -202,6 +202,9 @@ handler's, with explanations."""
     shutil.rmtree(scripted.parent)
     (folder / "junk.mar").write_text("hello\n")
     _archive(folder.parent / "expl", "expl", EXPLAINED_HANDLER).rename(folder / "expl.mar")
+    (folder.parent / "outside").mkdir()  # issue 52: archives from outside the store, by file:// URLs
+    for name in ("r18.mar", "away.mar"):
+        shutil.copy(folder / "other.mar", folder.parent / "outside" / name)
     return folder
 
 
@@ -213,7 +216,7 @@ def copy_of(store: Path, to: Path) -> Path:
 def theirs(store: Path, folder: Path) -> list[tuple]:
     copied = copy_of(store, folder / "model_store")
     with torchserve.started(folder, copied / "r18.mar", workers=1, properties={"enable_model_api": "true"}) as real:
-        return replay(real.inference_url, real.management_url)
+        return replay(real.inference_url, real.management_url, store.parent / "outside")
 
 
 def ours(store: Path, folder: Path) -> list[tuple]:
@@ -222,7 +225,7 @@ def ours(store: Path, folder: Path) -> list[tuple]:
                             load_models="r18=r18.mar", enable_model_api="true", disable_token_authorization="true",
                             default_workers_per_model="1", max_workers_per_model="2")
     try:
-        return replay(front.inference_url, front.management_url)
+        return replay(front.inference_url, front.management_url, store.parent / "outside")
     finally:
         front.stop()
 

@@ -58,12 +58,13 @@ DEFAULT_ALLOWED_URLS = ("file://.*", "http(s)?://.*")
 
 
 def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
-           allowed_urls: tuple[str, ...] | None = None) -> Path:
+           allowed_urls: tuple[str, ...] | None = None, fetch: bool = True) -> Path | None:
     """The archive file `url` names, as TorchServe 0.12 resolves it: a path is a file in the model store (an absolute
     one only where it lies in the store; `..` is refused); a file:// or http(s):// URL must match `allowed_urls`
     (TorchServe's default where None), and an http(s) one is fetched into the store -- but not from a loopback,
     link-local or unspecified address unless allowed_urls was configured (a registration must not reach this
-    machine's own services, Triton's private ports among them). Refusals say nothing of what exists there."""
+    machine's own services, Triton's private ports among them). Refusals say nothing of what exists there. Not
+    `fetch`: an http(s) URL's refusals only (a registration answered before its download): None where admitted."""
     if ".." in url:
         raise ArchiveProblem(f"Relative path is not allowed in url: {url}", 404, "ModelNotFoundException")
     patterns = allowed_urls or DEFAULT_ALLOWED_URLS
@@ -76,6 +77,10 @@ def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
         if not any(re.fullmatch(pattern, url) for pattern in patterns) or parts.scheme not in ("file", "http", "https") \
                 or (parts.scheme != "file" and allowed_urls is None and _own_machine(parts.hostname)):
             raise ArchiveProblem(f"Given URL {url} does not match any allowed URL(s)", 404, "ModelNotFoundException")
+        if parts.scheme != "file" and not fetch:
+            if (target := downloaded(url, store)).exists():  # TorchServe's refusal, before any download
+                raise _exists(target)
+            return None
         if parts.scheme != "file":
             return _download(url, store, max_bytes)
         path = Path(parts.path)
@@ -106,6 +111,43 @@ def downloaded(url: str, store: Path) -> Path | None:
     if urlsplit(url).scheme not in ("http", "https"):
         return None
     return store / (Path(urlsplit(url).path).name or "model.mar")
+
+
+def adopted(path: Path, url: str, store: Path) -> Path:
+    """A file:// url's archive copied into the store under its file name, as TorchServe 0.12 copies it (a restart
+    finds it there, and the snapshot names that copy); refused where the store has a file of that name (TorchServe's
+    "Model file already exists NAME.mar"), but for the store's own file. `path` itself for any other url."""
+    if urlsplit(url).scheme.lower() != "file":
+        return path
+    target = store / path.name
+    if target.exists() and target.resolve() == path.resolve():
+        return path
+    if target.exists():
+        raise _exists(target)
+    fd, partial = tempfile.mkstemp(prefix=".adopt-", dir=store)
+    try:
+        with os.fdopen(fd, "wb") as sink, open(path, "rb") as source:
+            shutil.copyfileobj(source, sink, 1 << 20)
+            sink.flush()
+            os.fsync(sink.fileno())  # whole on disk before a snapshot names it
+        try:
+            os.link(partial, target)  # never replaces a file another registration took meanwhile
+        except FileExistsError:
+            raise _exists(target) from None
+    except OSError as exc:
+        raise ArchiveProblem(f"Model not found at: {url}", 404, "ModelNotFoundException", reason=first_line(exc)) \
+            from None
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    return target
+
+
+def copied(url: str, path: Path, store: Path) -> bool:
+    """Whether `path` is the store's copy of `url` made for its registration (downloaded, or a file:// url's archive
+    adopted): removed with the registration, as TorchServe 0.12 removes it; never the operator's own file."""
+    if urlsplit(url).scheme.lower() == "file":
+        return path.parent == store and Path(urlsplit(url).path).resolve() != path.resolve()
+    return path == downloaded(url, store)
 
 
 def _exists(target: Path) -> ArchiveProblem:

@@ -34,8 +34,8 @@ TRITON_ONLY = {
                      "enable_model_api=true in config.properties or --enable-model-api",
 }
 # TorchServe-mode flags (build-repo's options for the store's archives, torchserve's own flags).
-TORCHSERVE_ONLY = ("models", "enable_model_api", "disable_token_auth", "ncs", "precision", "engine", "handler_path",
-                   "trust_model_code")
+TORCHSERVE_ONLY = ("models", "enable_model_api", "disable_token_auth", "ncs", "keep_snapshots", "snapshot_fallback",
+                   "precision", "engine", "handler_path", "trust_model_code")
 
 
 def given(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]:

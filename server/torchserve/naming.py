@@ -10,6 +10,21 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 # explanations, explainers.py): a registration's Triton names are BASE plus each of these, and no two registrations
 # may share one.
 SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript", "_explain")
+# The longest model name and version: BASE (the name, or NAME_vVERSION cut at 160) + a 33-character hash + the longest
+# suffix stays far within a file name's 255 bytes, and a snapshot of many registrations stays small (issue 52 F3).
+MAX_NAME, MAX_VERSION = 128, 64
+
+
+def refusal(name: str, version: str) -> str | None:
+    """Why (name, version) cannot be registered (the message names the model, cut short), or None."""
+    shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
+    if not NAME.match(name):
+        return f"Invalid model name: {shown}: letters, digits, '_', '.' and '-' only"
+    if len(name) > MAX_NAME:
+        return f"Invalid model name: {shown}: at most {MAX_NAME} characters"
+    if len(version) > MAX_VERSION:
+        return f"Invalid model version of model {shown}: at most {MAX_VERSION} characters"
+    return None
 
 
 def triton_names(base: str) -> set[str]:

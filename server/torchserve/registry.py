@@ -12,10 +12,10 @@ from pathlib import Path
 from common.modelconfig import read_config, served, to_text
 from server import canary
 from server.errors import ServerError
-from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveProblem, build_registered, downloaded, inspect,
-                                        link, locate, prune)
+from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveProblem, adopted, build_registered, copied,
+                                        inspect, link, locate, prune)
 from server.torchserve.explainers import Explainers
-from server.torchserve.naming import NAME, triton_base, triton_names
+from server.torchserve.naming import refusal, triton_base, triton_names
 from server.torchserve.registration import Model
 from server.torchserve.replies import Conflict, NotFound  # noqa: F401 (imported from here by the API modules)
 from server.triton import TritonServer
@@ -72,12 +72,12 @@ class Registry:
         once -- describe, list, scale and unregister find it -- and its workers to come with complete(). `workers`:
         the API's initial_workers (0: none until scaled, as TorchServe), None at startup (default_workers_per_model),
         exactly that many where `restored` (a snapshot's; not the archive's minWorkers, as TorchServe's setModelState)."""
-        path = locate(url, self.store, allowed_urls=self.allowed_urls)
+        path = adopted(locate(url, self.store, allowed_urls=self.allowed_urls), url, self.store)
         try:
             info = inspect(path, url)
             name = name or info.name
-            if not NAME.match(name):
-                raise ArchiveProblem(f"Invalid model name: {name}: letters, digits, '_', '.' and '-' only")
+            if (refused := refusal(name, info.version)) is not None:
+                raise ArchiveProblem(refused)
             with self._claims:
                 if info.version in self.models.get(name, {}):
                     raise Conflict(f"Model version {info.version} is already registered for model {name}")
@@ -114,6 +114,7 @@ class Registry:
             with self._claims:
                 self._forget(model)
             self._drop_download(model.info.url, model.info.path)
+            self.changed()  # a claim answered before (synchronous=false) was recorded: it is not there any more
             raise
         self.changed()
 
@@ -148,7 +149,7 @@ class Registry:
             raise failed
 
     def _drop_download(self, url: str, path: Path) -> None:
-        if path == downloaded(url, self.store):  # as TorchServe: a download whose registration failed is removed
+        if copied(url, path, self.store):  # as TorchServe: a download or copy whose registration failed is removed
             path.unlink(missing_ok=True)
 
     def _forget(self, model: Model) -> None:
@@ -258,8 +259,8 @@ class Registry:
             with self._claims:
                 self._forget(model)
             self._stop(model)
-            if (fetched := downloaded(model.info.url, self.store)) is not None:
-                fetched.unlink(missing_ok=True)  # as TorchServe 0.12: a downloaded archive leaves with its model
+            if copied(model.info.url, model.info.path, self.store):
+                model.info.path.unlink(missing_ok=True)  # as TorchServe 0.12: a fetched archive leaves with its model
         self.changed()
 
     def _stop(self, model: Model) -> None:

@@ -37,10 +37,11 @@ def configure(args, log=print) -> Settings:
     """config.properties (none given: the newest snapshot, as TorchServe's ConfigManager, unless --ncs), then the
     command line over it (as torchserve's flags go over its file). `entries`: the configuration snapshots record."""
     path = args.torchserve_config
-    if path is None and not args.ncs and (path := snapshots.latest(snapshots.folder())) is not None:
-        log(f"no config file given: starting from the last snapshot, {path}")
-    # a snapshot's relative model_store is the working directory's (as TorchServe's), a config file's its folder's
-    result = read_settings(path, base=None if path is args.torchserve_config else Path.cwd())
+    if path is None and not args.ncs:
+        path, result = _readable_snapshot(getattr(args, "snapshot_fallback", "on") == "on", log)
+    else:
+        # a snapshot's relative model_store is the working directory's (as TorchServe's), a config file's its folder's
+        result = read_settings(path, base=None if path is args.torchserve_config else Path.cwd())
     overrides = {}
     if args.model_store:
         result.model_store = args.model_store
@@ -61,6 +62,31 @@ def configure(args, log=print) -> Settings:
                       "model_store": str(result.model_store.resolve()),
                       **({"tsConfigFile": str(path)} if path is not None else {})}
     return result
+
+
+def _readable_snapshot(fallback: bool, log) -> tuple[Path | None, Settings]:
+    """The newest snapshot that can be read and its settings; where the newest cannot be (cut short, not a snapshot),
+    the newest one that can, said in one line (not `fallback`: refused, as TorchServe refuses it)."""
+    unreadable = None
+    for path in snapshots.newest_first(snapshots.folder()):
+        try:
+            result = read_settings(path, base=Path.cwd())
+            if result.snapshot is None:  # every snapshot names its registrations, none included
+                raise PropertiesError(f"{path}: no model_snapshot (cut short?)")
+        except PropertiesError as exc:
+            if not fallback:
+                raise
+            unreadable = unreadable or (path, exc)
+            continue
+        if unreadable:
+            log(f"snapshot {unreadable[0].name} cannot be read ({unreadable[1]}): starting from the newest one that "
+                f"can be, {path}")
+        else:
+            log(f"no config file given: starting from the last snapshot, {path}")
+        return path, result
+    if unreadable:
+        raise PropertiesError(f"no snapshot in {snapshots.folder()} can be read: {unreadable[1]}")
+    return None, read_settings(None, base=Path.cwd())
 
 
 def startup_models(config: Settings, store: Path) -> list[tuple[str | None, str, dict]]:
@@ -109,7 +135,8 @@ def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> N
 def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     try:
         config = configure(args, log)
-        if config.snapshot is not None and (problem := snapshots.missing(config.snapshot, config.model_store)):
+        if config.snapshot is not None and (problem := snapshots.missing(config.snapshot, config.model_store) or
+                                            snapshots.changed_archive(config.snapshot, config.model_store)):
             raise PropertiesError(f"model_snapshot: {problem}")  # TorchServe's InvalidSnapshotException: no start
     except PropertiesError as exc:
         log(f"serve-repo: error: {exc}", error=True)
@@ -183,7 +210,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
         + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on {server.http_url}, "
         f"metrics {server.metrics_url}, no TCP port, gRPC off, log {server.log_file})")
-    saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log)
+    saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log,
+                                                      keep=args.keep_snapshots)
     if saved is not None:  # as TorchServe: once started, after each change a client makes, at the stop
         log(f"config snapshots: {saved.save('startup')}")
         registry.changed = lambda: saved.save("snapshot")

@@ -4,6 +4,7 @@ startup|snapshot|shutdown.cfg holds the configuration the front started with plu
 as TorchServe writes them; a start given no config file starts from the newest one (unless --ncs)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ _GSON = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "=": "\\u003d", "'": "\
 # what Model.setModelState reads as integers (getAsInt: one missing fails TorchServe's restore)
 REQUIRED = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")
 OPTIONAL = ("responseTimeout", "startupTimeout")
+KEEP = 10  # snapshots kept (serve-repo --keep-snapshots): the newest, by the time in their names
 
 
 def folder(cwd: Path | None = None) -> Path:
@@ -38,13 +40,18 @@ def stamp_of(name: str) -> datetime | None:
         return None
 
 
-def latest(where: Path) -> Path | None:
-    """The newest snapshot in `where` by its name's time, as TorchServe picks it (a file whose name has none is
-    skipped: TorchServe fails on it)."""
+def newest_first(where: Path) -> list[Path]:
+    """The snapshots in `where`, newest first by their names' time, as TorchServe picks them (a file whose name has
+    none is skipped: TorchServe fails on it)."""
     if not where.is_dir():
-        return None
+        return []
     found = [(stamp, path.name, path) for path in where.iterdir() if path.is_file() and (stamp := stamp_of(path.name))]
-    return max(found)[2] if found else None
+    return [path for _, _, path in sorted(found, reverse=True)]
+
+
+def latest(where: Path) -> Path | None:
+    """The newest snapshot in `where`, or None."""
+    return next(iter(newest_first(where)), None)
 
 
 def models_of(text: str) -> dict[str, dict[str, dict]]:
@@ -76,6 +83,26 @@ def missing(models: dict[str, dict[str, dict]], store: Path) -> str | None:
     return None
 
 
+def changed_archive(models: dict[str, dict[str, dict]], store: Path) -> str | None:
+    """Why a snapshot's registration would restore another archive than the one registered (the store's file is not
+    the one whose sha256 the snapshot recorded), or None: such a start is refused, never served under the name."""
+    for name, versions in models.items():
+        for version, entry in versions.items():
+            recorded = entry.get("sha256")
+            if isinstance(recorded, str) and _sha256(store / entry["marName"]) != recorded:
+                return (f"the model store's {entry['marName']} is not the archive registered as model :{name}, "
+                        f"version :{version} (its sha256 differs from the snapshot's)")
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as source:
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def mar_name(url: str) -> str:
     """TorchServe's marName: the file name of the registration's url (ArchiveUtils.getFilenameFromUrl)."""
     return Path(urlsplit(url).path if "://" in url else url).name
@@ -90,7 +117,9 @@ def state(registry) -> dict[str, dict[str, dict]]:
             "defaultVersion": version == default, "marName": mar_name(model.info.url),
             **dict(zip(("minWorkers", "maxWorkers"), model.bounds or (model.workers, model.workers))), "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
             "responseTimeout": model.response_timeout, "startupTimeout": model.startup_timeout,
-            "runtimeType": "python"} for version, model in list(versions.items())}
+            "runtimeType": "python",
+            # not TorchServe's (its restore ignores it): the archive registered, checked at a restore (issue 52)
+            "sha256": model.info.sha256} for version, model in list(versions.items())}
     return models
 
 
@@ -118,14 +147,16 @@ def properties_text(entries: dict[str, str], when: float) -> str:
 class Snapshots:
     """One run's snapshots: `properties` (the configuration it started with) and the registry's state."""
 
-    def __init__(self, registry, properties: dict[str, str], where: Path, log=print):
+    def __init__(self, registry, properties: dict[str, str], where: Path, log=print, keep: int = KEEP):
         self.registry, self.properties, self.where, self.log = registry, properties, where, log
+        self.keep = keep  # the newest this many are kept (0: all, as TorchServe)
         self._lock = threading.Lock()
         self._last = 0  # milliseconds of the last name written: each is later (TorchServe drops one whose name exists)
 
     def save(self, kind: str) -> Path | None:
-        """LOG_LOCATION/config/<time>-KIND.cfg written whole (a temporary file renamed into place), or None (logged,
-        as TorchServe logs a snapshot it could not save)."""
+        """LOG_LOCATION/config/<time>-KIND.cfg written whole and durable (a temporary file written and fsynced, renamed
+        into place, the folder fsynced: a crash at any instant leaves the previous or the new one whole), the older
+        ones beyond `keep` removed; or None (logged, as TorchServe logs a snapshot it could not save)."""
         with self._lock:
             now = max(int(time.time() * 1000), self._last + 1)
             while True:
@@ -146,8 +177,32 @@ class Snapshots:
                 fd, temporary = tempfile.mkstemp(prefix=".snapshot-", dir=self.where.parent)
                 with os.fdopen(fd, "w", encoding="utf-8") as out:
                     out.write(properties_text({**self.properties, "model_snapshot": text}, now / 1000))
+                    out.flush()
+                    os.fsync(out.fileno())
                 os.replace(temporary, self.where / name)
+                _fsync_folder(self.where)
             except OSError as exc:
                 self.log(f"snapshot {name} not saved: {exc}")
                 return None
+            self._prune()
             return self.where / name
+
+    def _prune(self) -> None:
+        """The snapshots beyond the newest `keep` removed (by the time in their names)."""
+        if self.keep <= 0:
+            return
+        found = sorted((stamp, path.name, path) for path in self.where.iterdir()
+                       if path.is_file() and (stamp := stamp_of(path.name)))
+        for _, _, old in found[:-self.keep]:
+            try:
+                old.unlink()
+            except OSError as exc:
+                self.log(f"snapshot {old.name} not removed: {exc}")
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
