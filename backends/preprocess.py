@@ -110,7 +110,6 @@ def preprocessed(preprocess: "Preprocessor", requests) -> tuple[list, list]:
     """One decode for the whole batch, then per request: its error response (no input, a bad image: the
     client's fault, INVALID_ARG; a device fault: the server's, for every request) or its list of images."""
     elements, owners, responses = encoded_elements(requests, IMAGE_BYTES)
-    preprocess.clock.lap("inputs")
     try:
         images = preprocess(elements)
     except Exception as exc:  # a device fault: every request of this batch, none silently
@@ -153,6 +152,7 @@ class Preprocessor:
         self.clock = StageClock()  # the fused model's measurement mode replaces it; off: no-ops
 
     def __call__(self, elements: list[bytes]) -> list:
+        self.clock.lap("inputs")  # since the execute began: reading the requests' elements
         results, fast, pixels, slow = [None] * len(elements), [], [], []
         for index, data in enumerate(elements):
             try:

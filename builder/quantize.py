@@ -10,6 +10,7 @@ import numpy as np
 
 from builder.weights import Preprocessing
 from common.contract import IMAGE as INPUT
+from common.cpu import cpu_int8_dot
 from common.transforms import transform_from_parameters
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -91,7 +92,9 @@ def quantize_int8(onnx_path: Path, out_path: Path, batches: Iterable[np.ndarray]
     bytes, so int8 activations need a shift where VNNI is absent. With VNNI (AMD EPYC, AVX-512) int8
     activations ran ResNet-152 as fast under OpenVINO (29.9 / 30.1 img/s at batch 1 / 8 vs 28.8 / 31.6,
     medians of 6 alternated runs) and as close to fp32 (EfficientNet-Lite0: worst probability difference
-    0.116 vs 0.120), so either is sound there.
+    0.116 vs 0.120), so either is sound there. Without VNNI (an AVX2-only AMD EPYC, 2026-11-28) vpmaddubsw's 16-bit
+    pairwise sums saturate: EfficientNet-Lite0 moved a probability by 0.45 and the gate refused the build; weights
+    are then quantized to 7 bits (onnxruntime's reduce_range, which keeps those sums in range), and it passes.
 
     QDQ keeps the graph an ordinary ONNX model with QuantizeLinear/DequantizeLinear pairs; OpenVINO folds
     them into int8 kernels (VNNI/AMX), onnxruntime runs them too. MinMax over the same batches gives the
@@ -119,7 +122,8 @@ def quantize_int8(onnx_path: Path, out_path: Path, batches: Iterable[np.ndarray]
             # onnxruntime writes its augmented (every activation an output) copy in its own temp folder.
             quantize_static(str(onnx_path), str(out_path), reader, quant_format=QuantFormat.QDQ,
                             per_channel=per_channel, weight_type=QuantType.QInt8, activation_type=activation_type,
-                            calibrate_method=CalibrationMethod.MinMax, calibration_providers=["CPUExecutionProvider"])
+                            calibrate_method=CalibrationMethod.MinMax, calibration_providers=["CPUExecutionProvider"],
+                            reduce_range=not cpu_int8_dot())
     except Exception as exc:  # onnxruntime raises bare Exceptions, ValueErrors and ORT errors alike
         raise QuantizeError(f"int8 quantization of {onnx_path.name} failed: {type(exc).__name__}: {exc}") from exc
     finally:

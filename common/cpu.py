@@ -19,3 +19,10 @@ def cpu_bf16() -> bool:
     slower than fp32."""
     flags = cpuinfo("flags").split()
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_int8_dot() -> bool:
+    """True where the CPU has an int8 dot product that does not saturate (VNNI's vpdpbusd, AVX-512 or AVX, or AMX):
+    without one, x86 multiplies unsigned by signed bytes with vpmaddubsw, whose pairwise sums saturate at 16 bits."""
+    flags = cpuinfo("flags").split()
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8"))

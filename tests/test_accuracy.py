@@ -206,6 +206,11 @@ def test_build_repo_serves_int8_with_fp32s_top1_when_calibrated_on_real_images(e
 
     import tritonclient.http as httpclient
 
+    from common.cpu import cpu_int8_dot
+
+    if not cpu_int8_dot():  # the gate's own verdict there, seen on an AVX2-only AMD EPYC: 3 of fp32's top-5 on a photo
+        pytest.skip("this CPU has no VNNI or AMX int8 dot product: its int8 keeps too little of fp32's top-5 on these "
+                    "photos, and build-repo's gate refuses the build (docs/engines.md, int8)")
     assert _build_int8(effnet_files, calibration_folder, tmp_path / "repo") == 0
     assert "checked on 10 against fp32: same top-1 on all" in capsys.readouterr().out
     assert (tmp_path / "repo" / "effnet" / "1" / "model_int8.onnx").is_file()
