@@ -583,7 +583,8 @@ def test_predictions_get_torchserves_503_not_a_traceback_while_triton_restarts(c
 def test_registrations_from_a_dripping_server_leave_ping_describe_and_metrics_answering(front):
     """Issue 42 B6: six registrations (synchronous=false) from a server sending a byte a second took every thread of
     the pool /ping, describe and /metrics share: they stopped answering. Registrations run in threads of their own
-    now, and a download has an overall deadline."""
+    now, and a download has an overall deadline. Issue 52: a registration is answered once its archive is fetched and
+    the model is in a snapshot, synchronous or not (as TorchServe, whose download comes before its 202): these wait."""
     import http.server
     import urllib.parse
 
@@ -604,18 +605,28 @@ def test_registrations_from_a_dripping_server_leave_ping_describe_and_metrics_an
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
     web.daemon_threads = True
     threading.Thread(target=web.serve_forever, daemon=True).start()
+    answers: list = []
+
+    def register(i: int) -> None:
+        url = urllib.parse.quote(f"http://127.0.0.1:{web.server_address[1]}/drip{i}.mar", safe="")
+        answers.append(call("POST", f"{front.management_url}/models?url={url}&synchronous=false"))
+    clients = [threading.Thread(target=register, args=(i,), daemon=True) for i in range(10)]
     try:
-        for i in range(10):
-            url = urllib.parse.quote(f"http://127.0.0.1:{web.server_address[1]}/drip{i}.mar", safe="")
-            status, body = call("POST", f"{front.management_url}/models?url={url}&synchronous=false")
-            assert status == 202, body
-        time.sleep(1)  # the downloads have begun
+        for client in clients:
+            client.start()
+        time.sleep(2)  # the downloads have begun
+        assert answers == []  # not answered before the archive is there
         for url in (f"{front.inference_url}/ping", f"{front.management_url}/models", f"{front.metrics_url}/metrics"):
             with urllib.request.urlopen(url, timeout=30) as reply:  # timed out before: no thread left for them
                 assert reply.status == 200
     finally:
         stop.set()
         web.shutdown()
+    for client in clients:  # the drip cut short: each registration refused, none registered
+        client.join(120)
+    assert len(answers) == 10 and all(status >= 400 for status, _ in answers), answers
+    listed = json.loads(call("GET", f"{front.management_url}/models")[1])["models"]
+    assert not [entry for entry in listed if entry["modelName"].startswith("drip")], listed
 
 
 def test_loopback_urls_are_refused_at_once_whether_synchronous_or_not_when_registered(front):
@@ -640,3 +651,26 @@ def test_a_name_past_128_characters_is_refused_naming_the_model_and_128_register
                                 "&initial_workers=0")
     assert status == 200, body
     assert call("DELETE", f"{front.management_url}/models/{'n' * 128}")[0] == 200
+
+
+def test_a_change_whose_snapshot_cannot_be_written_is_answered_500_not_as_durable(front):
+    """Issue 52: a snapshot that could not be written was only logged, the change answered as if a restart would
+    have it. Now the caller is told (the change is made: the model is registered, and unregistered after)."""
+    from server.torchserve.snapshots import UNSAVED
+
+    config = front.folder / "logs" / "config"
+    aside = config.with_name("config-aside")
+    config.rename(aside)
+    config.write_text("not a folder")  # every snapshot's rename into it fails
+    try:
+        status, body = call("POST", f"{front.management_url}/models?url={NAME}.mar&model_name=unsaved"
+                                    "&initial_workers=0")
+        assert (status, json.loads(body)["message"]) == (500, UNSAVED)
+        assert call("GET", f"{front.management_url}/models/unsaved")[0] == 200
+        assert front.seen("not saved: ")
+    finally:
+        config.unlink()
+        aside.rename(config)
+    assert call("DELETE", f"{front.management_url}/models/unsaved")[0] == 200
+    newest = max(config.iterdir(), key=lambda path: path.name)
+    assert "unsaved" not in newest.read_text() and newest.name.endswith("-snapshot.cfg")

@@ -15,7 +15,7 @@ from starlette.routing import Route
 
 from server.errors import ServerError
 from server.torchserve import openapi
-from server.torchserve.archives import ArchiveProblem, locate
+from server.torchserve.archives import ArchiveProblem
 from server.torchserve.registry import Conflict, Model, NotFound, Registry
 from server.torchserve.replies import HANDLERS, error, reply
 
@@ -100,9 +100,6 @@ class Management:
         # Registrations, scaling and unregistering (downloads, builds) in threads of their own: slow ones never take
         # the threads /ping, describe and /metrics need (asyncio's default pool, 6 threads on 2 cores).
         self._changes = ThreadPoolExecutor(max_workers=CHANGE_THREADS, thread_name_prefix="torchserve-change")
-        # An http(s) URL's refusals, checked before a registration answered ahead of its download: never behind
-        # the downloads that may hold every change thread (a host's name is resolved: off the event loop)
-        self._checks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="torchserve-url-check")
 
     async def _change(self, call, *args, **kwargs):
         """`call` in a change thread, awaited."""
@@ -172,13 +169,8 @@ class Management:
                     startup_timeout=self.registry.startup_timeout if startup == -1 else startup,
                     handler=_param(params, "handler") or None)
         if not _bool(params, "synchronous", True, log):
-            if url.lower().startswith(("http://", "https://")):  # a download may be slow: in the background too,
-                # but a URL the policy refuses is refused now, as synchronously (issue 52 F4)
-                await asyncio.get_running_loop().run_in_executor(self._checks, functools.partial(
-                    locate, url, self.registry.store, allowed_urls=self.registry.allowed_urls, fetch=False))
-                self._background(self._register_later, args)
-                return reply({"status": "Processing worker updates..."}, 202)
-            # as TorchServe: the archive read and the model known now, its workers to come
+            # as TorchServe: the archive found (an http(s) URL's fetched, or refused) and read, the model known and in
+            # a snapshot now, its workers to come (issue 52: a change is durable before it is answered)
             model = await self._change(self.registry.claim, **args)
             model.runtime = runtime or model.runtime  # described as registered
             await self._change(self.registry.changed)  # in a snapshot before it is answered (issue 52 F2)
@@ -193,12 +185,6 @@ class Management:
                                     "workers. Use scale workers API to add workers for the model."})
         return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
                                 "initial workers"})
-
-    def _register_later(self, args: dict) -> None:
-        """An http(s) registration answered before its download: recorded once its archive is read, then built."""
-        model = self.registry.claim(**args)
-        self.registry.changed()
-        self.registry.complete(model)
 
     async def list(self, params: Params, path: dict) -> Response:
         """TorchServe's paging: models by name; nextPageToken (the next index, a string) first, whenever the page

@@ -114,7 +114,7 @@ class Registry:
             with self._claims:
                 self._forget(model)
             self._drop_download(model.info.url, model.info.path)
-            self.changed()  # a claim answered before (synchronous=false) was recorded: it is not there any more
+            self._changed_quietly()  # a claim answered before (synchronous=false) was recorded: it is gone now
             raise
         self.changed()
 
@@ -220,8 +220,18 @@ class Registry:
         try:
             with self._lock:
                 self._scale(model, low, high, named)
-        finally:  # a failed start leaves it with 0 workers: that is the state to record
+        except BaseException:  # a failed start leaves it with 0 workers: that is the state to record
+            self._changed_quietly()
+            raise
+        self.changed()
+
+    def _changed_quietly(self) -> None:
+        """changed() where a failure is already being raised: that one is what the caller is told (an unsaved snapshot
+        is in the log)."""
+        try:
             self.changed()
+        except ServerError:
+            pass
 
     def _scale(self, model: Model, low: int, high: int, named: str | None) -> None:
         if self.models.get(model.name, {}).get(model.version) is not model:

@@ -15,12 +15,16 @@ from datetime import datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from server.errors import ServerError
+
 STAMP = "%Y%m%d%H%M%S"  # and the milliseconds: Java's yyyyMMddHHmmssSSS, in local time as TorchServe's
 # Gson's default escaping (HTML-safe), which TorchServe's model_snapshot carries
 _GSON = {"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "=": "\\u003d", "'": "\\u0027"}
 # what Model.setModelState reads as integers (getAsInt: one missing fails TorchServe's restore)
 REQUIRED = ("minWorkers", "maxWorkers", "batchSize", "maxBatchDelay")
 OPTIONAL = ("responseTimeout", "startupTimeout")
+UNSAVED = ("The change is made, but its config snapshot could not be written (the log says why): a restart "
+           "would not have it")
 KEEP = 10  # snapshots kept (serve-repo --keep-snapshots): the newest, by the time in their names
 
 
@@ -186,6 +190,12 @@ class Snapshots:
                 return None
             self._prune()
             return self.where / name
+
+    def changed(self) -> None:
+        """After a client's change: its snapshot on disk, else ServerError -- the change is made, but a restart would
+        not have it, and its caller is told so rather than answered as if it were durable (issue 52)."""
+        if self.save("snapshot") is None:
+            raise ServerError(UNSAVED)
 
     def _prune(self) -> None:
         """The snapshots beyond the newest `keep` removed (by the time in their names)."""
