@@ -118,18 +118,28 @@ def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> N
     restoring = config.snapshot is not None  # a snapshot's workers exactly (0 too), its default versions
     for name, file, extra in startup_models(config, store):
         try:
-            model = registry.register(file, name, extra.get("batchSize"), extra.get("maxBatchDelay"),
-                                      extra.get("minWorkers"), extra.get("responseTimeout") or config.response_timeout,
-                                      loaded_at_startup=not restoring, startup_timeout=extra.get("startupTimeout"),
-                                      restored=restoring)
-            if restoring and extra.get("maxWorkers", model.workers) > model.workers:  # as TorchServe's setModelState
-                model.bounds = (model.workers, extra["maxWorkers"])
-            if restoring and extra.get("defaultVersion"):
-                registry.set_default(model)
-            log(f'{"restored" if restoring else "loaded"} {model.name} {model.version} from {file}: batch_size '
-                f'{model.batch_size}, max_batch_delay {model.max_batch_delay} ms, {model.workers} worker(s)')
+            model = registry.claim(file, name, extra.get("batchSize"), extra.get("maxBatchDelay"),
+                                   extra.get("minWorkers"), extra.get("responseTimeout") or config.response_timeout,
+                                   loaded_at_startup=not restoring, startup_timeout=extra.get("startupTimeout"),
+                                   restored=restoring)
         except (ArchiveProblem, Conflict, ServerError) as exc:  # as TorchServe: the others still load
             log(f"serve-repo: could not load {file}: {exc}")
+            continue
+        if restoring and extra.get("maxWorkers", model.workers) > model.workers:  # as TorchServe's setModelState
+            model.bounds = (model.workers, extra["maxWorkers"])
+        if restoring and extra.get("defaultVersion"):
+            registry.set_default(model)
+        try:
+            registry.complete(model, keep=restoring)
+        except (ArchiveProblem, Conflict, ServerError) as exc:
+            if restoring:  # still registered as recorded (not TorchServe's: it drops it, and its next snapshot too)
+                log(f"serve-repo: restored {model.name} {model.version} with no worker running: its workers did not "
+                    f"start ({exc}); scale it (PUT /models/{model.name}?min_worker=N) to start them")
+            else:
+                log(f"serve-repo: could not load {file}: {exc}")
+            continue
+        log(f'{"restored" if restoring else "loaded"} {model.name} {model.version} from {file}: batch_size '
+            f'{model.batch_size}, max_batch_delay {model.max_batch_delay} ms, {model.workers} worker(s)')
 
 
 def serve(args, extra: list[str], stop: threading.Event, log) -> int:
