@@ -94,7 +94,8 @@ def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
 
 
 def _own_machine(host: str | None) -> bool:
-    """True where `host` is or resolves to a loopback, link-local or unspecified address (or does not resolve)."""
+    """True where `host` is empty or resolves to a loopback, link-local or unspecified address; a host that does not
+    resolve is not this machine (False): its download fails as TorchServe's does."""
     if not host:
         return True
     try:
