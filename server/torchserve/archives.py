@@ -318,7 +318,7 @@ def with_handler(info: ArchiveInfo, handler: str, folder: Path) -> ArchiveInfo:
     with zipfile.ZipFile(info.path) as source, zipfile.ZipFile(name, "w", zipfile.ZIP_STORED) as copy:
         for member in source.infolist():
             if member.filename == MANIFEST:
-                manifest = json.loads(source.read(member))
+                manifest = read_manifest(source, named=False)  # read as every reader of ours reads it
                 manifest.setdefault("model", {})["handler"] = handler
                 copy.writestr(member, json.dumps(manifest, indent=4))
             else:

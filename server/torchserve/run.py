@@ -206,6 +206,10 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     services = {"grpc_inference": grpc_api.inference_service(inference, tokens, config.max_request_size),
                 "grpc_management": grpc_api.management_service(management, inference, tokens,
                                                                  config.max_request_size)}
+    saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log,
+                                                      keep=args.keep_snapshots)
+    if saved is not None:  # before the APIs listen: a change answered in the moment after is in a snapshot too
+        registry.changed = saved.changed  # a change not saved is answered 500, not as if durable
     front = Front(apps, config, services)
     front.start()
     if not front.ready.wait(30) or front.failed:
@@ -220,11 +224,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
         + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on {server.http_url}, "
         f"metrics {server.metrics_url}, no TCP port, gRPC off, log {server.log_file})")
-    saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log,
-                                                      keep=args.keep_snapshots)
     if saved is not None:  # as TorchServe: once started, after each change a client makes, at the stop
         log(f"config snapshots: {saved.save('startup')}")
-        registry.changed = saved.changed  # a change not saved is answered 500, not as if durable
     status = supervisor.run(stop)
     front.stop()
     if saved is not None:
