@@ -13,8 +13,9 @@ RESULTS = ("perf/results", "drills/results")
 # Where a run's machine leaves its mark: home folders, temp folders, this project's checkouts, system trees.
 MACHINE_PATHS = (b"/root/", b"/tmp/", b"/home/", b"/work/", b"/Users/", b"/usr/", b"/opt/", b"/mnt/")
 # Rooms whose every module the full map (docs/contributing.md) must name.
-# Flags the docs give for another tool's command that nothing here runs (docker/README.md: a plain `docker run`).
-OTHER_TOOLS_FLAGS = {"--health-cmd"}
+# Flags the docs give for another tool's command that nothing here runs (docker/README.md: a plain `docker run`, and
+# the podman flag it tried that cannot work on this machine).
+OTHER_TOOLS_FLAGS = {"--health-cmd", "--cgroups"}
 ROOMS = ("common", "builder", "server", "backends", "clients", "perf", "drills", "examples", "tools")
 
 

@@ -22,13 +22,15 @@ _spec.loader.exec_module(floor_env)
 
 # What a module may miss on 3.10 here: torch, and what exists only inside Triton's stub or comes with a torch model.
 MAY_MISS = {"torch", "torchvision", "triton_python_backend_utils", "efficientnet_lite_pytorch"}
-# Test files that need neither torch nor a model built with it, and within them the tests that build one.
+# Test files that need neither torch nor a model built with it, and within them the tests that build one (or read
+# an archive through build-repo, which imports torch).
 FLOOR_TESTS = ["test_echo_stub.py", "test_config.py", "test_docs.py", "test_server_process.py",
                "test_torchserve_bench.py", "test_torchserve_contract.py", "test_torchserve_flags.py",
                "test_torchserve_hostile.py", "test_torchserve_limits.py", "test_torchserve_private.py",
                "test_torchserve_properties.py"]
 BUILD_A_MODEL = ["test_torchserve_contract.py::test_the_front_takes_build_repos_error_from_its_json",
-                 "test_torchserve_contract.py::test_build_repo_and_the_front_read_an_archives_labels"]
+                 "test_torchserve_contract.py::test_build_repo_and_the_front_read_an_archives_labels",
+                 "test_torchserve_contract.py::test_build_repo_and_the_front_read_an_archives_model_config"]
 _IMPORT_ALL = """
 import importlib, json, pathlib, sys
 found = {"ok": [], "missing": {}, "broken": {}}
