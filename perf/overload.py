@@ -19,21 +19,13 @@ import json
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from common.cli import OneLineParser, write_result
-
-
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    ms = np.array(values) * 1000
-    return {"n": len(values), "p50_ms": round(float(np.percentile(ms, 50)), 1),
-            "p99_ms": round(float(np.percentile(ms, 99)), 1), "max_ms": round(float(ms.max()), 1)}
+from perf.load import OpenLoop, spread
 
 
 REFUSALS = ("queue_full", "timed_out", "overload", "overload_timed_out", "unavailable")
@@ -55,54 +47,27 @@ def classify(error: str) -> str:
 
 
 def open_loop(grpc_url: str, model: str, image: np.ndarray, rate: float, seconds: float) -> dict:
-    """Send at `rate` requests/s for `seconds` without waiting for answers; time every outcome."""
+    """Send at `rate` requests/s for `seconds` without waiting for answers (perf.load.OpenLoop); time every outcome."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(grpc_url)
     tensor = grpcclient.InferInput("IMAGE", list(image.shape), "FP32")
     tensor.set_data_from_numpy(image)
-    outcomes: list[tuple[float, str]] = []
-    lock = threading.Lock()
     total = int(rate * seconds)
-    all_done = threading.Event()
-    if total == 0:
-        all_done.set()
-
-    def record(sent, result, error):
-        latency = time.perf_counter() - sent
-        kind = "ok" if error is None else classify(str(error))
-        with lock:
-            outcomes.append((latency, kind))
-            if len(outcomes) == total:
-                all_done.set()
-
-    started = time.perf_counter()
-    late = 0.0
-    for index in range(total):
-        due = started + index / rate
-        now = time.perf_counter()
-        if now < due:
-            time.sleep(due - now)
-        else:
-            late = max(late, now - due)
-        sent = time.perf_counter()
-        client.async_infer(model, [tensor], lambda result, error, sent=sent: record(sent, result, error),
-                           client_timeout=600)
-    sending = time.perf_counter() - started
-    all_done.wait(600)
+    sender = OpenLoop(lambda index, due: client.infer(model, [tensor], client_timeout=600), rate, total,
+                      workers=1000).start()
+    samples, sending = sender.stop(), sender.sending_s
     client.close()
-    with lock:
-        outcomes = list(outcomes)  # an answer after the wait gave up is lost, not counted later
     kinds: dict[str, list[float]] = {}
-    for latency, kind in outcomes:
-        kinds.setdefault(kind, []).append(latency)
+    for sample in samples:
+        kinds.setdefault(classify(sample.error) if sample.error else "ok", []).append(sample.latency)
     refused = [latency for kind in REFUSALS for latency in kinds.get(kind, [])]
-    level = {"rate": round(rate, 1), "sent": total, "answered": len(outcomes), "lost": total - len(outcomes),
-             "achieved_send_rate": round(total / sending, 1), "worst_send_lag_ms": round(late * 1000, 1),
-             "accepted": _percentiles(kinds.pop("ok", [])),
-             "rejected": _percentiles(refused)}  # every refusal, whatever refused it
+    level = {"rate": round(rate, 1), "sent": total, "answered": len(samples), "lost": total - len(samples),
+             "achieved_send_rate": round(total / sending, 1) if sending else None,
+             "worst_send_lag_ms": round(sender.lag * 1000, 1),
+             "accepted": spread(kinds.pop("ok", [])), "rejected": spread(refused)}  # every refusal, whatever refused it
     for kind in REFUSALS:
-        level[f"rejected_{kind}"] = _percentiles(kinds.pop(kind, []))
+        level[f"rejected_{kind}"] = spread(kinds.pop(kind, []))
     level["errors"] = sum(len(v) for v in kinds.values())  # neither an answer nor a refusal
     level["other_errors"] = {k: len(v) for k, v in kinds.items()}
     return level

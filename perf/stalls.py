@@ -19,66 +19,35 @@ import json
 import shlex
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
 from common.cli import OneLineParser
+from perf import load
 
 SLOW = 5  # a request is a stall above SLOW x the run's p50
 
 
-def _client(protocol: str, url: str):
-    if protocol == "grpc":
-        import tritonclient.grpc as module
-    else:
-        import tritonclient.http as module
-    return module, module.InferenceServerClient(url)
-
-
-def _inputs(module, path: str, image: np.ndarray, jpeg: bytes):
-    if path == "image":
-        tensor = module.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
-        tensor.set_data_from_numpy(np.array([[jpeg]], dtype=object))
-    else:
-        tensor = module.InferInput("IMAGE", list(image.shape), "FP32")
-        tensor.set_data_from_numpy(image)
-    return [tensor]
-
-
 def closed_loop(urls: dict, model: str, path: str, protocol: str, concurrency: int, requests: int,
                 image: np.ndarray, jpeg: bytes) -> dict:
-    """`concurrency` clients, each sending its next request the instant its answer arrives, `requests` in all."""
-    latencies, errors, lock = [], [], threading.Lock()
-    target = f"{model}_image" if path == "image" else model
-    per_client = -(-requests // concurrency)
+    """`concurrency` clients (perf.load), each sending its next request the instant its answer arrives, `requests`
+    in all after one each to warm its connection and the first batch."""
+    from perf.loadgen import encoded, infer_client
 
-    def client():
-        module, triton = _client(protocol, urls[protocol])
-        inputs = _inputs(module, path, image, jpeg)
-        triton.infer(target, inputs)  # warm: connection, first batch
-        mine = []
-        for _ in range(per_client):
-            sent = time.perf_counter()
-            try:
-                triton.infer(target, inputs)
-                mine.append(time.perf_counter() - sent)
-            except Exception as exc:  # noqa: BLE001 - counted, not raised
-                errors.append(str(exc)[:200])
-        with lock:
-            latencies.extend(mine)
+    data = encoded(jpeg, batched=True) if path == "image" else image
+    connect = infer_client(urls[protocol], f"{model}_image" if path == "image" else model, data, protocol)
 
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    ms = np.array(latencies) * 1000
+    def warmed(index: int):
+        send, close = connect(index)
+        send()
+        return send, close
+
+    found = load.closed_loop(warmed, concurrency, requests=requests)
+    ms = np.array([sample.latency for sample in found.samples if not sample.error]) * 1000
     p50 = float(np.percentile(ms, 50))
-    return {"path": path, "protocol": protocol, "concurrency": concurrency, "requests": len(latencies),
-            "errors": len(errors), "p50_ms": round(p50, 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
+    return {"path": path, "protocol": protocol, "concurrency": concurrency, "requests": len(ms),
+            "errors": len(found.samples) - len(ms), "p50_ms": round(p50, 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
             "max_ms": round(float(ms.max()), 2), "max_over_p50": round(float(ms.max()) / p50, 2),
             f"over_{SLOW}x_p50": int((ms > SLOW * p50).sum()), "over_300_ms": int((ms > 300).sum())}
 
