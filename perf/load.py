@@ -250,3 +250,20 @@ def interleaved(sends: dict[str, Callable[[], object]], seconds: float | None = 
     for found in loads.values():
         found.loadavg_1min = [round(before, 2), round(os.getloadavg()[0], 2)]
     return loads
+
+
+def in_process(step: Callable[[], object], rows: int, seconds: float, *, min_runs: int = 1,
+               sync: Callable[[], object] = lambda: None, sync_every: int = 1) -> float:
+    """The same clock for work run in this process, no server: `step()` once to warm (kernel selection, graphs),
+    then again and again for `seconds` (at least `min_runs` times), `sync` (a device's queue drained) every
+    `sync_every` runs and before the clock stops; `rows` per step, per second."""
+    step()
+    sync()
+    done, begin = 0, time.perf_counter()
+    while time.perf_counter() - begin < seconds or done < min_runs:
+        step()
+        done += 1
+        if done % sync_every == 0:
+            sync()
+    sync()
+    return rows * done / (time.perf_counter() - begin)
