@@ -109,9 +109,16 @@ def _clients(connect: Connect, indices, window: dict, load: Load, lock: threadin
         try:
             if ready is not None:
                 ready.wait()
+            interval = window.get("interval", 0.0)
+            next_send = window["start"] + index % len(indices) * interval / len(indices)
             while time.monotonic() < window["start"]:
                 time.sleep(0.001)
             while time.monotonic() < window["end"]:
+                if interval:  # paced: this client's next request waits for its turn
+                    time.sleep(max(0.0, min(next_send, window["end"]) - time.monotonic()))
+                    next_send += interval
+                    if time.monotonic() >= window["end"]:
+                        return
                 if count is not None:
                     with lock:
                         if count[0] <= 0:
@@ -140,19 +147,22 @@ def _process(connect: Connect, indices, window: dict, queue) -> None:
 
 
 def closed_loop(connect: Connect, concurrency: int, seconds: float | None = None, *, requests: int | None = None,
-                warmup: float = 0.0, processes: int = 0, at_measure: Callable[[], None] | None = None) -> Load:
+                warmup: float = 0.0, processes: int = 0, rate: float | None = None,
+                at_measure: Callable[[], None] | None = None) -> Load:
     """`concurrency` clients, each sending its next request the instant its last is answered: for `warmup` then
     `seconds` (samples of the second part kept), or until `requests` are sent. `connect(index)` opens one client
     in its own thread -> (send, close); send() returns the answer or raises. With `processes` the clients are
-    spread over that many spawned processes (`connect` must pickle; gRPC and fork do not mix); `at_measure` is
-    called as the kept window begins (e.g. to read the server's counters)."""
+    spread over that many spawned processes (`connect` must pickle; gRPC and fork do not mix). With `rate`, the
+    clients together send at most that many requests a second, each in its turn. `at_measure` is called as the kept
+    window begins (e.g. to read the server's counters)."""
     load, lock = Load(concurrency, seconds or 0.0), threading.Lock()
     before = os.getloadavg()[0]
     if processes:
         ctx, procs = mp.get_context("spawn"), min(processes, concurrency)
         queue = ctx.Queue()
         start = time.monotonic() + 2.5 + 0.3 * procs  # spawn + imports + each client's connect
-        window = {"start": start, "measure": start + warmup, "end": start + warmup + seconds}
+        window = {"start": start, "measure": start + warmup, "end": start + warmup + seconds,
+                  "interval": concurrency / rate if rate else 0.0}
         workers = [ctx.Process(target=_process, args=(connect, range(i, concurrency, procs), window, queue))
                    for i in range(procs)]
         for worker in workers:
@@ -168,7 +178,7 @@ def closed_loop(connect: Connect, concurrency: int, seconds: float | None = None
 
         def start_clock() -> None:  # once every client has connected, before any is released
             now = time.monotonic()
-            window.update(start=now, measure=now + warmup,
+            window.update(start=now, measure=now + warmup, interval=concurrency / rate if rate else 0.0,
                           end=now + warmup + seconds if seconds is not None else float("inf"))
 
         ready = threading.Barrier(concurrency + 1, action=start_clock)

@@ -70,14 +70,15 @@ def infer_client(url: str, model: str, image: np.ndarray, protocol: str = "http"
 
 
 def run_load(url: str, model: str, concurrency: int, seconds: float, image: np.ndarray,
-             label: str = "", warmup: float = 1.0, stats_model: str = "") -> Point:
-    """`concurrency` closed-loop HTTP clients (perf.load) sending `image`, with Triton's statistics of the interval.
+             label: str = "", rate: float | None = None, warmup: float = 1.0, stats_model: str = "") -> Point:
+    """`concurrency` closed-loop HTTP clients (perf.load) sending `image` (or, with `rate`, at that total rate),
+    with Triton's statistics of the interval.
 
     `image`: an FP32 IMAGE tensor (the tensor path), or encoded bytes from `encoded` (the image path, where
     `stats_model` names the classifier whose batches Triton's statistics count)."""
     stats_client = httpclient.InferenceServerClient(url)
     before = []
-    load = closed_loop(infer_client(url, model, image), concurrency, seconds, warmup=warmup,
+    load = closed_loop(infer_client(url, model, image), concurrency, seconds, warmup=warmup, rate=rate,
                        at_measure=lambda: before.append(counters(stats_client, stats_model or model)))
     interval = counters(stats_client, stats_model or model) - before[0]
     found = load.summary()
