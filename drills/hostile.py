@@ -10,11 +10,9 @@ the honest client, so the p99 ratio includes the attacker's own CPU."""
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import tempfile
 import threading
-import time
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -24,6 +22,7 @@ import psutil
 from common.cli import OneLineParser, write_result
 from drills.attacks import proxy_attacks, torchserve_attacks
 from drills.faults import image
+from perf.load import closed_loop
 from perf.samples import CAT
 from perf.serve import ServeRepo, TorchServeFront
 
@@ -55,20 +54,13 @@ class Memory(threading.Thread):
 
 
 def honest_window(send, seconds: float) -> dict:
-    latencies, failures = [], Counter()
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        began = time.perf_counter()
-        try:
-            send()
-            latencies.append((time.perf_counter() - began) * 1000)
-        except Exception as exc:  # noqa: BLE001 -- counted by kind: the drill's result
-            failures[type(exc).__name__ + ": " + str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__] += 1
-    latencies.sort()
-    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] if latencies else None
-    return {"answered": len(latencies), "failed": sum(failures.values()), "failures": dict(failures),
-            "p50_ms": round(statistics.median(latencies), 1) if latencies else None,
-            "p99_ms": round(p99, 1) if p99 is not None else None}
+    """The honest client (perf.load, one request at a time) for `seconds`: answered, failed by kind, p50/p99."""
+    found = closed_loop(lambda index: (send, lambda: None), 1, seconds)
+    failures = Counter(s.error.splitlines()[0][:120] for s in found.samples if s.error)
+    point = found.summary()
+    return {"answered": point["requests"], "failed": point["errors"], "failures": dict(failures),
+            "p50_ms": point.get("p50_ms") and round(point["p50_ms"], 1),
+            "p99_ms": point.get("p99_ms") and round(point["p99_ms"], 1)}
 
 
 def measure(name: str, serve: ServeRepo, honest, attack, seconds: float) -> dict:

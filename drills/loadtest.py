@@ -6,14 +6,13 @@ request must get exactly one answer, good ones equal to in-process, bad ones a c
 from __future__ import annotations
 
 import json
-import queue
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from common.cli import OneLineParser
+from perf.load import closed_loop
 from perf.stats import counters
 from drills.mixed import Sender, Tally, build_cases, reference_for, schedule
 
@@ -52,30 +51,20 @@ def average_batches(http_url: str, models) -> dict:
 
 
 def drive(sequence, http_url: str, grpc_url: str, concurrency: int, tally: Tally) -> float:
-    """Send every case in `sequence` from `concurrency` threads; seconds taken."""
-    work: queue.Queue = queue.Queue()
-    for case in sequence:
-        work.put(case)
+    """Send every case in `sequence` from `concurrency` closed-loop clients (perf.load); seconds taken."""
+    cases, lock = iter(sequence), threading.Lock()
 
-    def worker():
+    def connect(index: int):
         sender = Sender(http_url, grpc_url, tally)
-        try:
-            while True:
-                try:
-                    case = work.get_nowait()
-                except queue.Empty:
-                    return
-                sender.send(case)
-        finally:
-            sender.close()
 
-    started = time.monotonic()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return time.monotonic() - started
+        def send():
+            with lock:
+                case = next(cases)
+            sender.send(case)
+
+        return send, sender.close
+
+    return closed_loop(connect, concurrency, requests=len(sequence)).seconds
 
 
 def main(argv: list[str] | None = None) -> int:

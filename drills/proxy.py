@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import sys
 import tempfile
 import threading
@@ -20,10 +19,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-import numpy as np
-
 from common.cli import OneLineParser, write_result
 from drills.faults import CRASHING_BODY, WRAPPING_BODY, image
+from perf.load import interleaved
 from perf.serve import ServeRepo
 from drills.traffic import STREAMS, capacity, drill, infer, kill_tritonserver, references
 
@@ -78,20 +76,13 @@ def added_latency(serve: ServeRepo, model: str, requests: int = 300) -> dict:
                "grpc": grpc_client(f"127.0.0.1:{serve.ports[1]}")}
     figures = {}
     for path, protocol in STREAMS:
-        times: dict[str, list[float]] = {"direct": [], "proxy": []}
-        for i in range(requests + 20):
-            for route, client in (("direct", direct), ("proxy", proxied)) if i % 2 else \
-                    (("proxy", proxied), ("direct", direct)):
-                start = time.perf_counter()
-                infer(client[protocol], protocol, path, model, 60)
-                if i >= 20:  # warm-up
-                    times[route].append(time.perf_counter() - start)
-        p50 = {route: statistics.median(t) * 1000 for route, t in times.items()}
+        found = interleaved({route: lambda c=clients[protocol]: infer(c, protocol, path, model, 60)
+                             for route, clients in (("proxy", proxied), ("direct", direct))},
+                            rounds=requests, warm_rounds=20)
+        point = {route: load.summary() for route, load in found.items()}
         figures[f"{path}/{protocol}"] = {
-            "direct_p50_ms": round(p50["direct"], 3), "proxy_p50_ms": round(p50["proxy"], 3),
-            "direct_p99_ms": round(float(np.percentile(times["direct"], 99)) * 1000, 3),
-            "proxy_p99_ms": round(float(np.percentile(times["proxy"], 99)) * 1000, 3),
-            "added_p50_ms": round(p50["proxy"] - p50["direct"], 3)}
+            **{f"{route}_{q}_ms": round(point[route][f"{q}_ms"], 3) for route in ("direct", "proxy") for q in ("p50", "p99")},
+            "added_p50_ms": round(point["proxy"]["p50_ms"] - point["direct"]["p50_ms"], 3)}
     return figures
 
 

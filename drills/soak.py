@@ -8,6 +8,7 @@ request must fall inside a fault's window (from the kill to its recovery plus th
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 from common.cli import OneLineParser
 from drills.loadtest import SEED, build_small_repo, served_transform
 from drills.mixed import Sender, Tally, build_cases, process_memory, reference_for, schedule
+from perf.load import closed_loop
 
 MB = 1 << 20
 HANG_LIMIT = 60.0  # seconds: a request without an answer by then counts as hung (the queue timeout is 10 s)
@@ -120,18 +122,16 @@ def main(argv: list[str] | None = None) -> int:
             supervisor = Supervisor(server, log=lambda line: supervised.append(
                 (round(time.monotonic() - started, 2), line)))
 
-            def worker(index: int):
+            def connect(index: int):  # one closed-loop client of perf.load: its own endless mix of cases
                 sender = Sender(server.http_url, server.grpc_url, tally, timeout=HANG_LIMIT)
-                rounds = 0
-                while not stop.is_set():
-                    for case in schedule(cases, 100, seed=index * 100_003 + rounds):
-                        if stop.is_set():
-                            break
-                        sent = time.monotonic() - started
-                        outcome = sender.send(case)
-                        timed.append((sent, time.monotonic() - started, case.good, outcome))
-                    rounds += 1
-                sender.close()
+                mix = (case for rounds in itertools.count() for case in schedule(cases, 100, seed=index * 100_003 + rounds))
+
+                def send():
+                    case, sent = next(mix), time.monotonic() - started
+                    outcome = sender.send(case)
+                    timed.append((sent, time.monotonic() - started, case.good, outcome))
+
+                return send, sender.close
 
             def observe():  # samples memory; kills a stub every --kill-every seconds
                 kills, deadline = [], started + args.minutes * 60
@@ -156,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                 observed.extend(kills)
 
             observed: list[dict] = []
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.concurrency)]
-            threads.append(threading.Thread(target=observe))
+            threads = [threading.Thread(target=closed_loop, args=(connect, args.concurrency, args.minutes * 60)),
+                       threading.Thread(target=observe)]
             for thread in threads:
                 thread.start()
             status = supervisor.run(stop)  # in this thread, which started the server (see Supervisor)

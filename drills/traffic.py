@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import numpy as np
 from common.cli import OneLineParser, write_result
 from drills.faults import CRASHING_BODY, TOLERANCE, image
 from drills.outcomes import Outcome, summary
+from perf.load import OpenLoop, closed_loop
 from perf.serve import ServeRepo
 from perf.samples import CAT
 from server.procfs import running_stubs, stubs_of
@@ -40,7 +40,7 @@ STREAMS = (("tensor", "http"), ("tensor", "grpc"), ("image", "http"), ("image", 
 
 @dataclass
 class Traffic:
-    """Paced requests on the four streams until stop(); every request gets exactly one Outcome."""
+    """Paced requests on the four streams (perf.load.OpenLoop) until stop(); every request gets exactly one Outcome."""
     serve: ServeRepo
     model: str
     expected: dict
@@ -50,32 +50,22 @@ class Traffic:
 
     def __post_init__(self):
         self.fault_at = float("inf")
-        self._stop = threading.Event()
         self._local = threading.local()
-        # Enough workers that none waits for a free one even with a full queue behind a fault (Triton's
-        # queues hold 128 per model): a request's wait is the server's, not ours (start_delay checks it).
-        self._pool = ThreadPoolExecutor(max_workers=400)
-        self.start_delay = 0.0
         self.ready_again: float | None = None
-        self._pacer = threading.Thread(target=self._pace, daemon=True)
+        self._sender = OpenLoop(self._send, self.rate)
+
+    @property
+    def start_delay(self) -> float:
+        """The worst wait of a request for a free sender: 0 but for ours (the server's is in the outcomes)."""
+        return self._sender.lag
 
     def start(self) -> "Traffic":
-        self._pacer.start()
+        self._sender.start()
         return self
 
-    def _pace(self):
-        start, n = time.monotonic(), 0
-        while not self._stop.is_set():
-            due = start + n / self.rate
-            if self._stop.wait(max(0.0, due - time.monotonic())):
-                break
-            self._pool.submit(self._send, STREAMS[n % len(STREAMS)], due)
-            n += 1
-
-    def _send(self, stream: tuple[str, str], due: float) -> None:
-        path, protocol = stream
-        name = "/".join(stream)
-        self.start_delay = max(self.start_delay, time.monotonic() - due)
+    def _send(self, index: int, due: float) -> None:
+        path, protocol = STREAMS[index % len(STREAMS)]
+        name = f"{path}/{protocol}"
         try:
             if getattr(self._local, "clients", None) is None:
                 self._local.clients = clients(self.serve, self.hang_limit)
@@ -92,9 +82,7 @@ class Traffic:
         self.outcomes.append(Outcome(name, due - self.fault_at, time.monotonic() - due, outcome, detail))
 
     def stop(self) -> None:
-        self._stop.set()
-        self._pacer.join()
-        self._pool.shutdown(wait=True)  # each request ends by the hang limit at the latest
+        self._sender.stop()  # each request ends by the hang limit at the latest
 
 
 def http_client(serve: ServeRepo, timeout: float):
@@ -142,26 +130,14 @@ def references(serve: ServeRepo, model: str, tensor_reference: np.ndarray) -> di
 
 
 def capacity(serve: ServeRepo, model: str, expected: dict, seconds: float = 8, concurrency: int = 8) -> float:
-    """Requests per second the four streams sustain together, closed loop (`concurrency` clients)."""
-    done, stop = [], threading.Event()
-
-    def worker(index: int):
+    """Requests per second the four streams sustain together, closed loop (`concurrency` clients, perf.load)."""
+    def connect(index: int):
         path, protocol = STREAMS[index % len(STREAMS)]
         client = clients(serve, 60)[protocol]
-        while not stop.is_set():
-            infer(client, protocol, path, model, 60)
-            done.append(time.monotonic())
+        return (lambda: infer(client, protocol, path, model, 60)), (lambda: None)
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    time.sleep(2)  # warm-up
-    begin = time.monotonic()
-    time.sleep(seconds)
-    stop.set()
-    for thread in threads:
-        thread.join(60)
-    return sum(1 for t in done if begin <= t <= begin + seconds) / seconds
+    found = closed_loop(connect, concurrency, seconds, warmup=2)
+    return sum(1 for sample in found.samples if not sample.error) / seconds
 
 
 # Faults: each takes the running serve-repo and the model, and returns what it wants recorded.

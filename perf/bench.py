@@ -7,7 +7,6 @@ import json
 import platform
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import tritonclient.http as httpclient
 
 from common.cli import OneLineParser
 from perf import loadgen
+from perf.load import in_process
 from clients.classify import model_config
 
 # (label, max_batch_size, max_queue_delay_us); "default" is what build-repo ships.
@@ -87,7 +87,7 @@ class InProcess:
         import torch
 
         images = torch.from_numpy(np.stack([loadgen.sample(self.side, False)] * batch))
-        rate = self._rate(lambda: self.runner.run([images]), batch, seconds)
+        rate = in_process(lambda: self.runner.run([images]), batch, seconds, min_runs=2)
         self.rates.setdefault(batch, []).append(rate)
         return rate
 
@@ -99,18 +99,10 @@ class InProcess:
         from backends.preprocess import Preprocessor
 
         preprocess = Preprocessor(self.transform, torch.device("cpu"), tensor_decode=False)
-        rate = self._rate(lambda: self.runner.run([torch.stack(preprocess([data] * batch))]), batch, seconds)
+        rate = in_process(lambda: self.runner.run([torch.stack(preprocess([data] * batch))]), batch, seconds, min_runs=2)
         self.image_rates.setdefault(batch, []).append(rate)
         return rate
 
-    @staticmethod
-    def _rate(step, batch: int, seconds: float) -> float:
-        step()  # warm-up: kernel selection for this batch size
-        done, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds or done < 2:
-            step()
-            done += 1
-        return batch * done / (time.perf_counter() - start)
 
 
 def add_engine_artifacts(model_dir: Path, engines: list[str]) -> None:

@@ -167,15 +167,21 @@ def sweep(client, url: str, model: str, base: dict, pre_base: dict, concurrency,
     return rows
 
 
+def torchserve_levels(torchserve: dict | None) -> dict:
+    """perf.torchserve_bench's levels by concurrency, each with its images_per_s (files before perf.load: img_per_s)."""
+    return {level["concurrency"]: {"images_per_s": level.get("img_per_s"), **level}
+            for level in (torchserve or {}).get("levels", [])}
+
+
 def compare(result: dict, torchserve: dict | None) -> None:
     """Ratios within this run (served / in-process) and against TorchServe's levels, per variant."""
-    levels = {str(level["concurrency"]): level for level in (torchserve or {}).get("levels", [])}
+    levels = {str(c): level for c, level in torchserve_levels(torchserve).items()}
     for variant in result["variants"]:
         ours = variant["served_image"]
         high, low = max(ours, key=int), min(ours, key=int)
         ratios = {f"served_over_inprocess_c{high}": variant["inprocess_image_path_same_batch"][high]["served_over_inprocess"]}
         if high in levels and low in levels:
-            ratios[f"throughput_c{high}_over_torchserve"] = ours[high]["throughput"] / levels[high]["img_per_s"]
+            ratios[f"throughput_c{high}_over_torchserve"] = ours[high]["throughput"] / levels[high]["images_per_s"]
             ratios[f"p50_c{low}_over_torchserve"] = ours[low]["p50_ms"] / levels[low]["p50_ms"]
         variant["ratios"] = ratios
 
@@ -204,11 +210,11 @@ def write_outputs(result: dict, stem: Path) -> list[Path]:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
         writer.writeheader()
         writer.writerows(table)
-    levels = {level["concurrency"]: level for level in (result["torchserve"] or {}).get("levels", [])}
+    levels = torchserve_levels(result["torchserve"])
     names = [f"{v['engine']}\n{v['precision_asked']}\n(ran {v['precision_served']})" for v in result["variants"]] + \
         (["TorchServe\n0.12\n(b8, 50 ms)"] if levels else [])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key, ts_key, c, label in [(axes[0], "throughput", "img_per_s", max, "images / s, concurrency {}"),
+    for ax, key, ts_key, c, label in [(axes[0], "throughput", "images_per_s", max, "images / s, concurrency {}"),
                                       (axes[1], "p50_ms", "p50_ms", min, "p50 latency (ms), concurrency {}")]:
         level = c(int(k) for k in result["variants"][0]["served_image"])
         values = [v["served_image"][str(level)][key] for v in result["variants"]]

@@ -1,9 +1,7 @@
-"""Closed-loop load against a Triton model, read together with Triton's own statistics."""
+"""Triton clients for perf.load's engine, and its points read together with Triton's own statistics."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -11,6 +9,7 @@ import tritonclient.http as httpclient
 
 from common.contract import IMAGE as INPUT, IMAGE_BYTES, LOGITS as OUTPUT
 from common.modelconfig import from_json, served, to_json
+from perf.load import closed_loop
 from perf.stats import counters
 
 
@@ -48,88 +47,46 @@ def encoded(data: bytes, batched: bool) -> np.ndarray:
     return element[None] if batched else element
 
 
+def infer_client(url: str, model: str, image: np.ndarray, protocol: str = "http", timeout: float = 120):
+    """perf.load's connect for a Triton model: one client per thread sending `image` (an FP32 IMAGE tensor, or
+    encoded bytes from `encoded`) over HTTP or gRPC; send() -> LOGITS."""
+    if protocol == "grpc":
+        import tritonclient.grpc as module
+    else:
+        module = httpclient
+
+    def connect(index: int):
+        if protocol == "grpc":
+            client = module.InferenceServerClient(url)
+        else:
+            client = module.InferenceServerClient(url, connection_timeout=timeout, network_timeout=timeout)
+        as_bytes = image.dtype == object
+        tensor = module.InferInput(IMAGE_BYTES if as_bytes else INPUT, list(image.shape), "BYTES" if as_bytes else "FP32")
+        tensor.set_data_from_numpy(image)
+        outputs = [module.InferRequestedOutput(OUTPUT)]
+        return (lambda: client.infer(model, [tensor], outputs=outputs).as_numpy(OUTPUT)), client.close
+
+    return connect
+
+
 def run_load(url: str, model: str, concurrency: int, seconds: float, image: np.ndarray,
              label: str = "", rate: float | None = None, warmup: float = 1.0, stats_model: str = "") -> Point:
-    """`concurrency` clients send one request after another (or, with `rate`, at that total rate).
+    """`concurrency` closed-loop HTTP clients (perf.load) sending `image` (or, with `rate`, at that total rate),
+    with Triton's statistics of the interval.
 
-    `image`: an FP32 IMAGE tensor (the tensor path), or encoded bytes from `encoded` (the image path,
-    where `stats_model` names the classifier whose batches Triton's statistics count)."""
-    completions: list[tuple[float, float, bool]] = []  # (done, latency, ok)
-    lock = threading.Lock()
-    start_gate = threading.Barrier(concurrency + 1)
-    timing = {}
-
-    def worker(index: int) -> None:
-        client = httpclient.InferenceServerClient(url, connection_timeout=120, network_timeout=120)
-        as_bytes = image.dtype == object
-        tensor = httpclient.InferInput(IMAGE_BYTES if as_bytes else INPUT, list(image.shape),
-                                       "BYTES" if as_bytes else "FP32")
-        tensor.set_data_from_numpy(image)
-        outputs = [httpclient.InferRequestedOutput(OUTPUT)]
-        interval = concurrency / rate if rate else 0.0
-        start_gate.wait()
-        next_send = time.perf_counter() + index * interval / max(concurrency, 1)
-        while True:
-            now = time.perf_counter()
-            if now >= timing["end"]:
-                return
-            if interval:
-                if now < next_send:
-                    time.sleep(min(next_send - now, timing["end"] - now))
-                    continue
-                next_send += interval
-            sent = time.perf_counter()
-            try:
-                client.infer(model, [tensor], outputs=outputs)
-                ok = True
-            except Exception:
-                ok = False
-            done = time.perf_counter()
-            if timing["measure"] <= done <= timing["end"]:
-                with lock:
-                    completions.append((done, done - sent, ok))
-
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
+    `image`: an FP32 IMAGE tensor (the tensor path), or encoded bytes from `encoded` (the image path, where
+    `stats_model` names the classifier whose batches Triton's statistics count)."""
     stats_client = httpclient.InferenceServerClient(url)
-    begin = time.perf_counter()
-    timing.update(measure=begin + warmup, end=begin + warmup + seconds)
-    start_gate.wait()
-    time.sleep(warmup)
-    before = counters(stats_client, stats_model or model)
-    for thread in threads:
-        thread.join()
-    after = counters(stats_client, stats_model or model)
-    return _point(label, concurrency, seconds, completions, before, after)
-
-
-def interval_rate(times: list[float], burst: float = 0.01) -> float:
-    """Completions per second between the first and the last completion seen.
-
-    A batched server answers in bursts (8 responses at once every batch); counting completions in a
-    fixed window would be off by up to one burst. Dropping the first burst and dividing by the span
-    from it to the last completion measures whole batch intervals only.
-    """
-    times = sorted(times)
-    if len(times) < 2:
-        return float("nan")
-    first_burst = sum(1 for t in times if t - times[0] <= burst)
-    span = times[-1] - times[0]
-    return (len(times) - first_burst) / span if span > 0 else float("nan")
-
-
-def _point(label, concurrency, seconds, completions, before, after) -> Point:
-    good = [(done, latency) for done, latency, ok in completions if ok]
-    lat_ms = np.array([latency for _, latency in good]) * 1000 if good else np.array([np.nan])
-    interval = after - before
-    return Point(
-        config=label, concurrency=concurrency, requests=len(good), errors=len(completions) - len(good),
-        seconds=seconds, throughput=interval_rate([done for done, _ in good]),
-        p50_ms=float(np.percentile(lat_ms, 50)), p95_ms=float(np.percentile(lat_ms, 95)),
-        p99_ms=float(np.percentile(lat_ms, 99)),
-        avg_batch=interval.avg_batch, queue_ms=interval.ms_per_request("queue"), compute_ms=interval.compute_ms(),
-    )
+    before = []
+    load = closed_loop(infer_client(url, model, image), concurrency, seconds, warmup=warmup, rate=rate,
+                       at_measure=lambda: before.append(counters(stats_client, stats_model or model)))
+    interval = counters(stats_client, stats_model or model) - before[0]
+    found = load.summary()
+    return Point(config=label, concurrency=concurrency, requests=found["requests"], errors=found["errors"],
+                 seconds=seconds, throughput=found["images_per_s"] or float("nan"),
+                 **{f"p{q}_ms": found.get(f"p{q}_ms", float("nan")) for q in (50, 95, 99)},
+                 avg_batch=interval.avg_batch, queue_ms=interval.ms_per_request("queue"),
+                 compute_ms=interval.compute_ms())
 
 
 def batching_override(base: dict, max_batch_size: int, delay_us: int, instances: int | None = None,

@@ -12,6 +12,7 @@ over its gRPC port. --via triton (the old default): Triton's own queue policy (b
     python -m perf.overload --out perf/results/overload-resnet18-proxy.json
     python -m perf.overload --serve-flags="--queue-ms 250" --out ...
     python -m perf.overload --via triton --queue-timeout-ms 1000 --max-queue-size 32 --out perf/results/overload-resnet18.json
+    python -m perf.overload --tail 2000 --factors 4 --out ...       # the low-load tail first (perf/stalls.py's, folded)
 """
 from __future__ import annotations
 
@@ -19,21 +20,13 @@ import json
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
 from common.cli import OneLineParser, write_result
-
-
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    ms = np.array(values) * 1000
-    return {"n": len(values), "p50_ms": round(float(np.percentile(ms, 50)), 1),
-            "p99_ms": round(float(np.percentile(ms, 99)), 1), "max_ms": round(float(ms.max()), 1)}
+from perf.load import OpenLoop, closed_loop, spread
 
 
 REFUSALS = ("queue_full", "timed_out", "overload", "overload_timed_out", "unavailable")
@@ -55,57 +48,59 @@ def classify(error: str) -> str:
 
 
 def open_loop(grpc_url: str, model: str, image: np.ndarray, rate: float, seconds: float) -> dict:
-    """Send at `rate` requests/s for `seconds` without waiting for answers; time every outcome."""
+    """Send at `rate` requests/s for `seconds` without waiting for answers (perf.load.OpenLoop); time every outcome."""
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(grpc_url)
     tensor = grpcclient.InferInput("IMAGE", list(image.shape), "FP32")
     tensor.set_data_from_numpy(image)
-    outcomes: list[tuple[float, str]] = []
-    lock = threading.Lock()
     total = int(rate * seconds)
-    all_done = threading.Event()
-    if total == 0:
-        all_done.set()
-
-    def record(sent, result, error):
-        latency = time.perf_counter() - sent
-        kind = "ok" if error is None else classify(str(error))
-        with lock:
-            outcomes.append((latency, kind))
-            if len(outcomes) == total:
-                all_done.set()
-
-    started = time.perf_counter()
-    late = 0.0
-    for index in range(total):
-        due = started + index / rate
-        now = time.perf_counter()
-        if now < due:
-            time.sleep(due - now)
-        else:
-            late = max(late, now - due)
-        sent = time.perf_counter()
-        client.async_infer(model, [tensor], lambda result, error, sent=sent: record(sent, result, error),
-                           client_timeout=600)
-    sending = time.perf_counter() - started
-    all_done.wait(600)
+    sender = OpenLoop(lambda index, due: client.infer(model, [tensor], client_timeout=600), rate, total,
+                      workers=1000).start()
+    samples, sending = sender.stop(), sender.sending_s
     client.close()
-    with lock:
-        outcomes = list(outcomes)  # an answer after the wait gave up is lost, not counted later
     kinds: dict[str, list[float]] = {}
-    for latency, kind in outcomes:
-        kinds.setdefault(kind, []).append(latency)
+    for sample in samples:
+        kinds.setdefault(classify(sample.error) if sample.error else "ok", []).append(sample.latency)
     refused = [latency for kind in REFUSALS for latency in kinds.get(kind, [])]
-    level = {"rate": round(rate, 1), "sent": total, "answered": len(outcomes), "lost": total - len(outcomes),
-             "achieved_send_rate": round(total / sending, 1), "worst_send_lag_ms": round(late * 1000, 1),
-             "accepted": _percentiles(kinds.pop("ok", [])),
-             "rejected": _percentiles(refused)}  # every refusal, whatever refused it
+    level = {"rate": round(rate, 1), "sent": total, "answered": len(samples), "lost": total - len(samples),
+             "achieved_send_rate": round(total / sending, 1) if sending else None,
+             "worst_send_lag_ms": round(sender.lag * 1000, 1),
+             "accepted": spread(kinds.pop("ok", [])), "rejected": spread(refused)}  # every refusal, whatever refused it
     for kind in REFUSALS:
-        level[f"rejected_{kind}"] = _percentiles(kinds.pop(kind, []))
+        level[f"rejected_{kind}"] = spread(kinds.pop(kind, []))
     level["errors"] = sum(len(v) for v in kinds.values())  # neither an answer nor a refusal
     level["other_errors"] = {k: len(v) for k, v in kinds.items()}
     return level
+
+
+SLOW = 5  # a request is a stall above SLOW x its run's p50
+
+
+def tail(urls: dict, model: str, path: str, protocol: str, concurrency: int, requests: int,
+         image: np.ndarray) -> dict:
+    """The low-load tail (--tail): `concurrency` closed-loop clients (perf.load), `requests` in all after one each to
+    warm its connection and the first batch; p50, p99, the largest and how many took over SLOW x p50 or 300 ms.
+    Triton 2.51's dynamic batcher stops prefetching when a queue policy is set and can then sleep 500 ms with a
+    request queued (docs/performance.md, "No stall by default"): this shows, per build, whether that happens."""
+    from perf.loadgen import encoded, infer_client
+    from perf.samples import CAT
+
+    data = encoded(CAT.read_bytes(), batched=True) if path == "image" else image
+    connect = infer_client(urls[protocol], f"{model}_image" if path == "image" else model, data, protocol)
+
+    def warmed(index: int):
+        send, close = connect(index)
+        send()
+        return send, close
+
+    found = closed_loop(warmed, concurrency, requests=requests)
+    ms = np.array([sample.latency for sample in found.samples if not sample.error]) * 1000
+    p50 = float(np.percentile(ms, 50))
+    return {"path": path, "protocol": protocol, "concurrency": concurrency, "requests": len(ms),
+            "errors": len(found.samples) - len(ms), "p50_ms": round(p50, 2), "p99_ms": round(float(np.percentile(ms, 99)), 2),
+            "max_ms": round(float(ms.max()), 2), "max_over_p50": round(float(ms.max()) / p50, 2),
+            f"over_{SLOW}x_p50": int((ms > SLOW * p50).sum()), "over_300_ms": int((ms > 300).sum())}
 
 
 def targets(levels: list[dict]) -> dict:
@@ -138,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queue-timeout-ms", type=float, help="--via triton only. Default: 1000.")
     p.add_argument("--serve-flags", default="", help="serve-repo flags, one string (e.g. \"--queue-ms 250\"); "
                                                        "--via proxy only. Default: none.")
+    p.add_argument("--build-flags", default="", help="more build-repo flags, one string (e.g. \"--instances 2\"). "
+                                                       "Default: none.")
+    p.add_argument("--tail", type=int, default=0, metavar="N",
+                   help="first the low-load tail: N closed-loop requests per path (tensor, image), protocol (gRPC, "
+                        "HTTP) and concurrency (1, 2), each one's p50/p99/max and stalls (over 5x p50). Default: 0, "
+                        "none.")
     p.add_argument("--factors", type=float, nargs="+", default=[1, 2, 4], help="Default: 1 2 4.")
     p.add_argument("--seconds", type=float, default=20, help="per load level. Default: 20.")
     p.add_argument("--out", type=Path, help="JSON to write.")
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="overload-") as tmp:
         repo = Path(tmp) / "repo"
         flags = ["--model", args.model, "--weights", "random", "--output", str(repo), "--kind", "cpu",
-                 "--max-batch-size", str(args.max_batch_size)]
+                 "--max-batch-size", str(args.max_batch_size), *shlex.split(args.build_flags)]
         if args.via == "triton":
             flags += ["--max-queue-size", str(32 if args.max_queue_size is None else args.max_queue_size),
                       "--queue-timeout-ms", f"{1000 if args.queue_timeout_ms is None else args.queue_timeout_ms:g}"]
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             measured = _via_triton(repo, args, image)
     levels = measured["levels"]
     result = {"model": args.model, "via": args.via, "build_flags": flags[6:], "serve_flags": serve_flags,
-              **{k: v for k, v in measured.items() if k != "levels"},
+              **{k: v for k, v in measured.items() if k != "levels"}, **({"tail": args.tail_runs} if args.tail else {}),
               "machine": machine(), "levels": levels, "targets": targets(levels)}
     print(write_result(result, args.out))
     lost = sum(level["lost"] for level in levels)
@@ -175,8 +176,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _levels(http_url: str, grpc_url: str, args, image: np.ndarray) -> tuple[float, list[dict]]:
-    """Capacity (closed loop over HTTP), then the open-loop levels over gRPC."""
+    """The tail (with --tail), capacity (closed loop over HTTP), then the open-loop levels over gRPC."""
     from perf.loadgen import run_load
+
+    if args.tail:
+        runs = [tail({"http": http_url, "grpc": grpc_url}, args.model, path, protocol, c, args.tail, image)
+                for path in ("tensor", "image") for protocol in ("grpc", "http") for c in (1, 2)]
+        for run in runs:
+            print(json.dumps(run), flush=True)
+        args.tail_runs = {"runs": runs, "worst_max_over_p50": max(run["max_over_p50"] for run in runs),
+                          "stalls": sum(run[f"over_{SLOW}x_p50"] for run in runs)}
 
     # Capacity: as many clients as the batch holds, back to back (closed loop).
     capacity = run_load(http_url, args.model, args.max_batch_size, args.seconds, image, label="capacity").throughput

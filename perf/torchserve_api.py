@@ -28,12 +28,12 @@ import numpy as np
 
 from common.cli import OneLineParser, write_result
 from common.contract import IMAGE_BYTES, LOGITS
-from perf import torchserve
+from perf import load, torchserve
 from perf.cpu_engines import resolved_precision
 from perf.loadgen import encoded
 from perf.samples import CAT
 from perf.serve import TorchServeFront
-from perf.torchserve_bench import closed_loop, closed_loop_of, cpu, cpu_slug, versions
+from perf.torchserve_bench import as_point, closed_loop, cpu, cpu_slug, versions
 from server.unix_http import get, sync_client
 
 REGISTRATION = {"batch_size": 8, "max_batch_delay": 10, "initial_workers": 1}  # the seed walkthrough's
@@ -77,23 +77,16 @@ def register(management_url: str, name: str, timeout: float) -> dict:
 
 
 def direct(url: str, model: str, body: bytes):
-    """perf.torchserve_bench's client contract for the image path: a tritonclient HTTP infer of MODEL_image with the
-    photo's bytes (BYTES [1, 1]) to tritonserver at `url` (its Unix socket behind the front), one client per thread."""
+    """perf.load's connect for the image path: a tritonclient HTTP infer of MODEL_image with the photo's bytes
+    (BYTES [1, 1]) to tritonserver at `url` (its Unix socket behind the front), one client per thread."""
     import tritonclient.http as httpclient
 
-    def connect():
+    def connect(index: int):
         client = sync_client(url, connection_timeout=300, network_timeout=300)
         image = httpclient.InferInput(IMAGE_BYTES, [1, 1], "BYTES")
         image.set_data_from_numpy(encoded(body, batched=True))
         wanted = [httpclient.InferRequestedOutput(LOGITS)]
-
-        def send():
-            try:
-                return "", client.infer(f"{model}_image", [image], outputs=wanted).as_numpy(LOGITS)
-            except Exception as exc:  # tritonclient's errors, and the socket's
-                return f"{type(exc).__name__}: {exc}"[:300], None
-
-        return send, client.close
+        return (lambda: client.infer(f"{model}_image", [image], outputs=wanted).as_numpy(LOGITS)), client.close
 
     return connect
 
@@ -111,8 +104,8 @@ def summary(points: dict) -> dict:
         if key != "c1":
             # Whole batch intervals need a few batches; a point too short for them (seconds far below the
             # latency) is read over its window instead (both are in `points`).
-            enough = point["requests"] >= 3 * point["concurrency"] and point["img_per_s"] is not None
-            found[f"{key}_images_per_s"] = point["img_per_s"] if enough else point["img_per_s_window"]
+            enough = point["requests"] >= 3 * point["concurrency"] and point["images_per_s"] > 0
+            found[f"{key}_images_per_s"] = point["images_per_s"] if enough else point["images_per_s_window"]
     return found
 
 
@@ -121,7 +114,7 @@ def measure(send_to, name: str) -> dict:
     points = {}
     for level in LEVELS[name]:
         points[f"c{level}"] = point = send_to(level)
-        print(f"  c={level}: {point['img_per_s']} img/s (window {point['img_per_s_window']}), p50 {point['p50_ms']} "
+        print(f"  c={level}: {point['images_per_s']} img/s (window {point['images_per_s_window']}), p50 {point['p50_ms']} "
               f"ms, errors {point['errors']}, load {point['loadavg_1min']}", file=sys.stderr)
     return summary(points)
 
@@ -162,8 +155,8 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
                 _call("DELETE", f"{front.management_url}/models/{name}")
                 continue
             print(f"{label}, {name} direct to {name}_image:", file=sys.stderr)
-            straight = measure(lambda c: closed_loop_of(direct(triton, name, body), c, args.seconds, args.warmup, top5),
-                               name)
+            straight = measure(lambda c: as_point(load.closed_loop(direct(triton, name, body), c, args.seconds,
+                                                                   warmup=args.warmup), args.warmup, top5), name)
             # Both paths run the same classifier: the API's first label is the direct logits' top one (only the
             # first: a random ResNet-152's softmax is one 1.0 and zeros, whose order is arbitrary).
             labels = torchserve.imagenet_labels()

@@ -18,18 +18,13 @@ import re
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import numpy as np
-
 from common.cli import OneLineParser
-from perf import torchserve
+from perf import load, torchserve
 from perf.bench import ISA_FLAGS as ISA, cpuinfo
-from perf.loadgen import interval_rate
 from perf.samples import CAT as SAMPLE
 
 MODEL = "resnet152"
@@ -66,82 +61,40 @@ def post(conn: http.client.HTTPConnection, path: str, body: bytes) -> tuple[int,
 
 
 def rest_client(url: str, model: str, body: bytes):
-    """One client's (send, close) POSTing `body` to /predictions/MODEL: send() -> (error or "", answer). One
-    keep-alive connection, as a real client pool holds; reopened after a failure."""
+    """perf.load's connect POSTing `body` to /predictions/MODEL: one keep-alive connection per client, as a real
+    client pool holds, reopened after a failure; send() -> the answer's bytes, or raises."""
     host = urlsplit(url)
-    path = f"/predictions/{model}"
-    conn = [http.client.HTTPConnection(host.hostname, host.port, timeout=300)]
 
-    def send() -> tuple[str, bytes]:
-        try:
-            status, answer = post(conn[0], path, body)
-            return ("" if status == 200 else f"HTTP {status}: {answer[:200].decode(errors='replace')}"), answer
-        except (OSError, http.client.HTTPException) as exc:
-            conn[0].close()
-            conn[0] = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
-            return f"{type(exc).__name__}: {exc}", b""
+    def connect(index: int = 0):
+        conn = [http.client.HTTPConnection(host.hostname, host.port, timeout=300)]
 
-    return send, lambda: conn[0].close()
+        def send() -> bytes:
+            try:
+                status, answer = post(conn[0], f"/predictions/{model}", body)
+            except (OSError, http.client.HTTPException):
+                conn[0].close()
+                conn[0] = http.client.HTTPConnection(host.hostname, host.port, timeout=300)
+                raise
+            if status != 200:
+                raise RuntimeError(f"HTTP {status}: {answer[:200].decode(errors='replace')}")
+            return answer
+
+        return send, lambda: conn[0].close()
+
+    return connect
 
 
 def closed_loop(url: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
     """`concurrency` clients, each POSTing `body` to /predictions/MODEL when its last answer has come."""
-    return closed_loop_of(lambda: rest_client(url, model, body), concurrency, seconds, warmup, json.loads)
+    return as_point(load.closed_loop(rest_client(url, model, body), concurrency, seconds, warmup=warmup), warmup,
+                 json.loads)
 
 
-def closed_loop_of(connect, concurrency: int, seconds: float, warmup: float, decode=lambda answer: answer) -> dict:
-    """`concurrency` clients, each sending its next request when its last one is answered. `connect()` makes one
-    client's (send, close); send() -> (error or "", answer); `decode` turns the first good answer into JSON."""
-    completions: list[tuple[float, float, bool]] = []  # (done, latency, ok) inside the measured window
-    first_error: list[str] = []
-    first_answer: list = []
-    lock = threading.Lock()
-    gate = threading.Barrier(concurrency + 1)
-    timing: dict[str, float] = {}
-
-    def client() -> None:
-        send, close = connect()
-        gate.wait()
-        while time.perf_counter() < timing["end"]:
-            sent = time.perf_counter()
-            error, answer = send()
-            done = time.perf_counter()
-            with lock:
-                if timing["measure"] <= done <= timing["end"]:
-                    completions.append((done, done - sent, not error))
-                if error and not first_error:
-                    first_error.append(error)
-                if not error and not first_answer:
-                    first_answer.append(answer)
-        close()
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    load_before = os.getloadavg()[0]
-    begin = time.perf_counter()
-    timing.update(measure=begin + warmup, end=begin + warmup + seconds)
-    gate.wait()
-    for thread in threads:
-        thread.join()
-    good = [(done, latency) for done, latency, ok in completions if ok]
-    lat_ms = np.array([latency for _, latency in good]) * 1000 if good else np.array([np.nan])
-    return {"concurrency": concurrency, "seconds": seconds, "warmup_seconds": warmup, "requests": len(good),
-            "errors": len(completions) - len(good),
-            # The machine's 1-minute load average before and after: above its core count, something
-            # else (not this bench) was competing for the CPU during this level.
-            "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-            "first_error": first_error[0] if first_error else None,
-            # Whole batch intervals only: a batched server answers 8 at once (see loadgen.interval_rate).
-            "img_per_s": _number(interval_rate([done for done, _ in good]), 3),
-            "img_per_s_window": round(len(good) / seconds, 3),
-            **{f"p{q}_ms": _number(np.percentile(lat_ms, q), 1) for q in (50, 95, 99)},
-            "sample_answer": decode(first_answer[0]) if first_answer else None}
-
-
-def _number(value, digits: int) -> float | None:
-    """Rounded, or None where nothing was measured (JSON has no NaN)."""
-    return None if np.isnan(value) else round(float(value), digits)
+def as_point(found: load.Load, warmup: float, decode=lambda answer: answer) -> dict:
+    """perf.load's summary with the warm-up and the first good answer (decoded); the machine's 1-minute load average
+    before and after sits in it: above its core count, something else was competing for the CPU."""
+    answer = found.first_answer
+    return {**found.summary(), "warmup_seconds": warmup, "sample_answer": None if answer is None else decode(answer)}
 
 
 def parser() -> OneLineParser:
@@ -211,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["sample_answer"] = json.loads(answer) if status == 200 else f"HTTP {status}"
                 for level in args.concurrency:
                     point = closed_loop(server.inference_url, MODEL, body, level, args.seconds, args.warmup)
-                    print(f"c={level}: {point['img_per_s']} img/s, p50 {point['p50_ms']} ms, "
+                    print(f"c={level}: {point['images_per_s']} img/s, p50 {point['p50_ms']} ms, "
                           f"p99 {point['p99_ms']} ms, errors {point['errors']}", file=sys.stderr)
                     result["levels"].append(point)
     except (torchserve.TorchServeError, OSError, subprocess.SubprocessError) as exc:

@@ -19,7 +19,6 @@ The ratios are of the rounds' totals (images over seconds, latencies' medians); 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -28,72 +27,48 @@ from pathlib import Path
 import numpy as np
 
 from common.cli import OneLineParser, write_result
-from perf import torchserve
+from perf import load, torchserve
 from perf.samples import CAT
 from perf.serve import TorchServeFront
 from perf.torchserve_api import _call, register
-from perf.torchserve_bench import _number, closed_loop, closed_loop_of, cpu, cpu_slug, rest_client, versions
+from perf.torchserve_bench import as_point, closed_loop, cpu, cpu_slug, rest_client, versions
 
 NAME = "resnet152"
 
 
 def grpc_client(address: str, model: str, body: bytes):
-    """One client's (send, close) calling Predictions on a channel of its own: send() -> (error or "", answer)."""
+    """perf.load's connect calling Predictions on a channel of its own per client; send() -> the prediction."""
     import grpc
 
     from server.torchserve.proto import inference_pb2, inference_pb2_grpc
 
     request = inference_pb2.PredictionsRequest(model_name=model, input={"data": body})
-    channel = grpc.insecure_channel(address)
-    stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
 
-    def send() -> tuple[str, bytes]:
-        try:
-            return "", stub.Predictions(request, timeout=300).prediction
-        except grpc.RpcError as exc:
-            return f"{exc.code().name}: {exc.details()}", b""
+    def connect(index: int = 0):
+        channel = grpc.insecure_channel(address)
+        stub = inference_pb2_grpc.InferenceAPIsServiceStub(channel)
+        return (lambda: stub.Predictions(request, timeout=300).prediction), channel.close
 
-    return send, channel.close
+    return connect
 
 
 def grpc_loop(address: str, model: str, body: bytes, concurrency: int, seconds: float, warmup: float) -> dict:
     """`concurrency` clients, each calling Predictions on a channel of its own when its last answer has come."""
-    return closed_loop_of(lambda: grpc_client(address, model, body), concurrency, seconds, warmup, json.loads)
+    return as_point(load.closed_loop(grpc_client(address, model, body), concurrency, seconds, warmup=warmup), warmup,
+                    json.loads)
 
 
 def interleaved(rest_url: str, grpc_address: str, model: str, body: bytes, seconds: float, warmup: float) -> dict:
-    """c=1 over both APIs from one client, request by request: gRPC then REST, REST then gRPC, and so on; each API's
-    latencies as closed_loop_of's point (requests, p50_ms, ...) of the measured window."""
-    clients = {"grpc": grpc_client(grpc_address, model, body), "rest": rest_client(rest_url, model, body)}
-    found = {api: [] for api in clients}
-    errors = {api: 0 for api in clients}
-    load_before = os.getloadavg()[0]
-    begin = time.perf_counter()
-    measure, end = begin + warmup, begin + warmup + seconds
-    pair = 0
+    """c=1 over both APIs from one client, request by request (perf.load.interleaved): gRPC then REST, REST then
+    gRPC, and so on; each API's point of the measured window."""
+    clients = {"grpc": grpc_client(grpc_address, model, body)(), "rest": rest_client(rest_url, model, body)()}
     try:
-        while time.perf_counter() < end:
-            for api in (("grpc", "rest") if pair % 2 == 0 else ("rest", "grpc")):
-                sent = time.perf_counter()
-                error, _ = clients[api][0]()
-                done = time.perf_counter()
-                if measure <= sent and not error:
-                    found[api].append((done - sent) * 1000)
-                elif measure <= sent:
-                    errors[api] += 1
-            pair += 1
+        found = load.interleaved({api: send for api, (send, _) in clients.items()}, seconds, warmup=warmup)
     finally:
         for _, close in clients.values():
             close()
-    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-
-    def point(api: str) -> dict:
-        lat = np.array(found[api] or [np.nan])
-        return {"concurrency": 1, "seconds": seconds, "warmup_seconds": warmup, "requests": len(found[api]),
-                "errors": errors[api], "loadavg_1min": load, "interleaved_with": "rest" if api == "grpc" else "grpc",
-                **{f"p{q}_ms": _number(np.percentile(lat, q), 1) for q in (50, 95, 99)}}
-
-    return {api: point(api) for api in clients}
+    return {api: {**as_point(found[api], warmup), "interleaved_with": "rest" if api == "grpc" else "grpc"}
+            for api in clients}
 
 
 def measured(rest_url: str, grpc_address: str, body: bytes, level: int, args, rest_first: bool) -> dict:
@@ -128,7 +103,7 @@ def rounds(servers: dict, body: bytes, args) -> list[dict]:
                            for level in (1, 8)}
             for level, point in found[name].items():
                 print(f"  round {index + 1} {name} {level}: " + ", ".join(
-                    f"{api} {p.get('img_per_s', '-')} img/s p50 {p['p50_ms']} ms errors {p['errors']} load "
+                    f"{api} {p['images_per_s']} img/s p50 {p['p50_ms']} ms errors {p['errors']} load "
                     f"{p['loadavg_1min']}" for api, p in point.items()), file=sys.stderr)
         done.append(found)
     return done

@@ -22,6 +22,7 @@ import torchvision
 from backends.batch_runner import PRECISIONS
 from common.cli import OneLineParser
 from common.messages import first_line
+from perf.load import in_process
 
 VARIANTS = ("eager", "folded", "graph", "compile")
 
@@ -80,17 +81,6 @@ def runner(model: torch.nn.Module, variant: str, example: torch.Tensor, compile_
     return replay
 
 
-def rate(run, batch: torch.Tensor, seconds: float, sync) -> float:
-    run(batch)
-    sync()
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds or done < 3:
-        run(batch)
-        done += 1
-    sync()
-    return batch.shape[0] * done / (time.perf_counter() - start)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     device = torch.device(args.device)
@@ -121,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                         point["warmup_s"] = time.perf_counter() - start
                         diff = (run(typed).float() - reference).abs().max() / reference.abs().max()
                         point["max_rel_diff_vs_eager_fp32"] = float(diff)
-                        point["images_per_s"] = rate(run, typed, args.seconds, sync)
+                        point["images_per_s"] = in_process(lambda: run(typed), typed.shape[0], args.seconds, min_runs=3,
+                                                             sync=sync)
                     except Exception as exc:  # one variant failing (e.g. compile) must not end the run
                         point["error"] = f"{type(exc).__name__}: {first_line(exc)}"
                     print(json.dumps(point), flush=True)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 from perf.gpu.steps import StepFailed
+from perf.load import in_process
 
 PRECISIONS = ("fp16", "bf16", "fp32")
 BATCHES = (64, 128, 256)
@@ -48,12 +48,7 @@ class InProcess:
 
         images = torch.from_numpy(sample((batch, 3, 224, 224), dtype, 0))
         parts = list(images.split(1))  # one tensor per request, as the server hands them over
-        self.runner.run(parts)
-        done, begin = 0, time.perf_counter()
-        while time.perf_counter() - begin < seconds:
-            self.runner.run(parts)
-            done += 1
-        return batch * done / (time.perf_counter() - begin)
+        return in_process(lambda: self.runner.run(parts), batch, seconds)
 
     def on_device(self, rows: int, seconds: float = 2.0) -> float:
         """img/s of the engine alone at the batch a `rows`-row forward runs (its bucket, full), the batch already on
@@ -74,17 +69,8 @@ def engine_on_device(runner, rows: int, seconds: float) -> float:
     import torch
 
     bucket = runner.bucket_for(rows)
-    sync = torch.cuda.synchronize if runner.gpu else (lambda: None)
-    runner.forward_on_device(bucket)
-    sync()
-    done, begin = 0, time.perf_counter()
-    while time.perf_counter() - begin < seconds:
-        runner.forward_on_device(bucket)
-        done += 1
-        if done % 4 == 0:
-            sync()
-    sync()
-    return bucket * done / (time.perf_counter() - begin)
+    return in_process(lambda: runner.forward_on_device(bucket), bucket, seconds,
+                      sync=torch.cuda.synchronize if runner.gpu else (lambda: None), sync_every=4)
 
 
 def engine_table(model: str, weights: Path, device: str, precisions, graphs, batches, seconds: float) -> list[dict]:
