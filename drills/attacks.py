@@ -14,6 +14,7 @@ from collections import Counter
 import numpy as np
 import psutil
 
+from common import names
 from drills.faults import CRASHING_BODY, WRAPPING_BODY
 from perf.serve import ServeRepo, TorchServeFront
 
@@ -76,7 +77,7 @@ def proxy_attacks(serve: ServeRepo, model: str) -> dict:
         tensor = httpclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[big]], dtype=object))
         try:
-            client.infer(f"{model}_image", [tensor])
+            client.infer(names.image_model(model), [tensor])
             return "200"
         except Exception as exc:  # noqa: BLE001
             return str(exc).splitlines()[0][:60]

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from common import names
 from common.cli import OneLineParser, write_result
 from common.precision import TOLERANCE as TOLERANCES
 from perf.serve import ServeRepo
@@ -245,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
         # is a first restart (the supervisor backs off 0.5 s, 1 s, 2 s ... for a server that keeps dying).
         serve = ServeRepo(repo)
         try:
-            for name, model in (("stub_killed", args.model), ("preprocess_stub_killed", f"{args.model}_preprocess")):
+            for name, model in (("stub_killed", args.model), ("preprocess_stub_killed", names.named(args.model, "preprocess"))):
                 runs = []
                 for round_ in range(args.rounds):
                     batch = image(round_)  # the preprocess model takes image bytes: probed through the ensemble
-                    runs.append(kill_preprocess_stub(serve, args.model) if model.endswith("_preprocess")
+                    runs.append(kill_preprocess_stub(serve, args.model) if model == names.named(args.model, "preprocess")
                                 else kill_stub(serve, model, batch, reference(batch)))
                     print(name, runs[-1], flush=True)
                 results[name] = {"runs": runs, "answering_after_s": _summary([r["answering_after_s"] for r in runs])}
@@ -286,15 +287,15 @@ def kill_preprocess_stub(serve: ServeRepo, model: str) -> dict:
     def classify() -> np.ndarray:
         tensor = httpclient.InferInput("IMAGE_BYTES", [1, 1], "BYTES")
         tensor.set_data_from_numpy(np.array([[jpeg]], dtype=object))
-        return serve.http.infer(f"{model}_image", [tensor]).as_numpy("LOGITS")
+        return serve.http.infer(names.image_model(model), [tensor]).as_numpy("LOGITS")
 
     before = classify()
-    stub = next(s for s in stubs_of(serve.triton_pid) if s.model == f"{model}_preprocess" and s.alive)
+    stub = next(s for s in stubs_of(serve.triton_pid) if s.model == names.named(model, "preprocess") and s.alive)
     mark = len(serve.lines)
     killed = time.monotonic()
     os.kill(stub.pid, signal.SIGKILL)
     while time.monotonic() - killed < RECOVERY_LIMIT:
-        if not serve.seen(f"{model}_preprocess: ready again", mark):
+        if not serve.seen(f"{names.named(model, 'preprocess')}: ready again", mark):
             time.sleep(0.05)
             continue
         try:
@@ -305,7 +306,7 @@ def kill_preprocess_stub(serve: ServeRepo, model: str) -> dict:
         if float(np.abs(after - before).max() / np.abs(before).max()) > TOLERANCE:
             raise AssertionError("the image path answers differently after the reload")
         return {"answering_after_s": round(time.monotonic() - killed, 2),
-                "log": serve.wait_for(f"{model}_preprocess: its stub", 5, mark)}
+                "log": serve.wait_for(f"{names.named(model, 'preprocess')}: its stub", 5, mark)}
     raise AssertionError(f"the image path did not come back: {serve.lines[-5:]}")
 
 

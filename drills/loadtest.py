@@ -11,6 +11,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from common import names
 from common.cli import OneLineParser
 from perf.load import closed_loop
 from perf.stats import counters
@@ -86,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             sequence = schedule(cases, args.requests, args.good_share)
             tally = Tally()
             seconds = drive(sequence, server.http_url, server.grpc_url, args.concurrency, tally)
-            batches = average_batches(server.http_url, (args.model, f"{args.model}_preprocess"))
-            ready_after = server.ready() and all(server.model_ready(m) for m in (args.model, f"{args.model}_image"))
+            batches = average_batches(server.http_url, (args.model, names.named(args.model, "preprocess")))
+            ready_after = server.ready() and all(server.model_ready(m) for m in (args.model, names.image_model(args.model)))
     good_sent = sum(c.good for c in sequence)
     summary = {
         "model": args.model, "requests": len(sequence), "concurrency": args.concurrency,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import names
 from common.precision import TOLERANCE as TOLERANCES
 from perf.samples import CAT
 
@@ -90,10 +91,10 @@ def build_cases(model_name: str, reference, transform, seed: int = 0) -> list[Ca
         for label, blob in images.items():
             with Image.open(io.BytesIO(blob)) as decoded:
                 expected = reference(transform(decoded.convert("RGB")).unsqueeze(0).numpy())
-            cases.append(Case(f"{model_name}_image/{protocol}/good-{label}", f"{model_name}_image", protocol,
+            cases.append(Case(f"{names.image_model(model_name)}/{protocol}/good-{label}", names.image_model(model_name), protocol,
                               True, "IMAGE_BYTES", "BYTES", np.array([[blob]], dtype=object), expected))
         for label, blob in bad_images.items():
-            cases.append(Case(f"{model_name}_image/{protocol}/bad-{label}", f"{model_name}_image", protocol,
+            cases.append(Case(f"{names.image_model(model_name)}/{protocol}/bad-{label}", names.image_model(model_name), protocol,
                               False, "IMAGE_BYTES", "BYTES", np.array([[blob]], dtype=object)))
     return cases
 

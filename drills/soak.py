@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from common import names
 from common.cli import OneLineParser
 from drills.loadtest import SEED, build_small_repo, served_transform
 from drills.mixed import Sender, Tally, build_cases, process_memory, reference_for, schedule
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from server.supervisor import Supervisor
     from server.triton import TritonServer
 
-    models = [args.model, f"{args.model}_preprocess"]
+    models = [args.model, names.named(args.model, "preprocess")]
     supervised = []  # (seconds since start, line) from the supervisor
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         repo = build_small_repo(args.model, Path(tmp))

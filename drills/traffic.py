@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import names
 from common.cli import OneLineParser, write_result
 from drills.faults import CRASHING_BODY, TOLERANCE, image
 from drills.outcomes import Outcome, summary
@@ -106,7 +107,7 @@ def infer(client, protocol: str, path: str, model: str, timeout: float) -> np.nd
     if path == "tensor":
         data, name, dtype, target = image(0), "IMAGE", "FP32", model
     else:
-        data, name, dtype, target = np.array([[CAT.read_bytes()]], dtype=object), "IMAGE_BYTES", "BYTES", f"{model}_image"
+        data, name, dtype, target = np.array([[CAT.read_bytes()]], dtype=object), "IMAGE_BYTES", "BYTES", names.image_model(model)
     tensor = module.InferInput(name, list(data.shape), dtype)
     tensor.set_data_from_numpy(data)
     kwargs = {"client_timeout": timeout} if protocol == "grpc" else {}
@@ -161,7 +162,7 @@ def crashing_request(serve: ServeRepo, model: str) -> dict:
 
 
 def kill_preprocess_stub(serve: ServeRepo, model: str) -> dict:
-    return kill_stub(serve, f"{model}_preprocess")
+    return kill_stub(serve, names.named(model, "preprocess"))
 
 
 def kill_tritonserver(serve: ServeRepo, model: str) -> dict:

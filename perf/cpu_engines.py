@@ -24,6 +24,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+from common import names
 from common.cli import OneLineParser
 from common.modelconfig import from_json, to_json
 from common.modelconfig import served as served_config
@@ -124,7 +125,7 @@ def served(url: str, model: str, concurrency: list[int], seconds: float, tensor_
         if tensor_path:
             point = loadgen.run_load(url, model, c, seconds, loadgen.sample(side, batched=True))
         else:
-            point = loadgen.run_load(url, f"{model}_image", c, seconds, loadgen.encoded(SAMPLE.read_bytes(), True),
+            point = loadgen.run_load(url, names.image_model(model), c, seconds, loadgen.encoded(SAMPLE.read_bytes(), True),
                                      stats_model=model)
         points[str(c)] = {key: value for key, value in point.as_dict().items()
                           if key not in ("config", "concurrency", "engine", "inprocess_same_batch")}
@@ -155,14 +156,14 @@ def measure_variant(client, urls: dict, model_dir: Path, base: dict, variant: st
 def sweep(client, url: str, model: str, base: dict, pre_base: dict, concurrency, seconds: float) -> list[dict]:
     rows = []
     for label, dynamic, delay, bounds, instances in SWEEP:
-        loadgen.load_with(client, f"{model}_preprocess", with_batching(pre_base, dynamic, delay, bounds))
+        loadgen.load_with(client, names.named(model, "preprocess"), with_batching(pre_base, dynamic, delay, bounds))
         loadgen.load_with(client, model, with_batching(base, dynamic, delay, bounds, instances))
-        client.load_model(f"{model}_image")  # the ensemble, after both its steps changed
+        client.load_model(names.image_model(model))  # the ensemble, after both its steps changed
         side = int(base["input"][0]["dims"][-1])
         for path in ("image", "tensor"):
             for c, point in served(url, model, concurrency, seconds, path == "tensor", side).items():
                 rows.append({"config": label, "path": path, "concurrency": int(c), **point})
-    loadgen.load_with(client, f"{model}_preprocess", pre_base)
+    loadgen.load_with(client, names.named(model, "preprocess"), pre_base)
     loadgen.load_with(client, model, base)
     return rows
 
@@ -211,7 +212,7 @@ def write_outputs(result: dict, stem: Path) -> list[Path]:
         writer.writeheader()
         writer.writerows(table)
     levels = torchserve_levels(result["torchserve"])
-    names = [f"{v['engine']}\n{v['precision_asked']}\n(ran {v['precision_served']})" for v in result["variants"]] + \
+    bars = [f"{v['engine']}\n{v['precision_asked']}\n(ran {v['precision_served']})" for v in result["variants"]] + \
         (["TorchServe\n0.12\n(b8, 50 ms)"] if levels else [])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, key, ts_key, c, label in [(axes[0], "throughput", "images_per_s", max, "images / s, concurrency {}"),
@@ -219,8 +220,8 @@ def write_outputs(result: dict, stem: Path) -> list[Path]:
         level = c(int(k) for k in result["variants"][0]["served_image"])
         values = [v["served_image"][str(level)][key] for v in result["variants"]]
         values += [levels[level][ts_key]] if level in levels else [0.0] * bool(levels)
-        ax.bar(range(len(names)), values, color=["C0"] * len(result["variants"]) + ["C3"] * bool(levels))
-        ax.set_xticks(range(len(names)), names, fontsize=7)
+        ax.bar(range(len(bars)), values, color=["C0"] * len(result["variants"]) + ["C3"] * bool(levels))
+        ax.set_xticks(range(len(bars)), bars, fontsize=7)
         ax.set_ylabel(label.format(level))
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"{result['model']}, image path (JPEG in), {result['machine']['cpu_model']} "
@@ -278,7 +279,7 @@ def run(server, model_dir: Path, variants: list[str], seconds: float, args, argv
             print("batching sweep ...", file=sys.stderr)
             result["batching_sweep"] = {"variant": variants[0], "points": sweep(
                 client, server.http_url, model, configured(base, variants[0]),
-                model_config(client, f"{model}_preprocess"), args.concurrency, seconds)}
+                model_config(client, names.named(model, "preprocess")), args.concurrency, seconds)}
     except (ServerError, RuntimeError, OSError) as exc:
         print(f"perf.cpu_engines: error: {exc}", file=sys.stderr)
         return 1

@@ -97,7 +97,9 @@ def _clients(connect: Connect, indices, window: dict, load: Load, lock: threadin
              ready: threading.Barrier | None = None, count: list | None = None) -> None:
     """Closed-loop client threads: each opens its client, then (once `ready` is passed, `window` set) sends its next
     request when its last is answered, from window["start"] until window["end"] or until `count` requests are handed
-    out; samples answered inside [window["measure"], window["end"]] are kept."""
+    out; samples answered inside [window["measure"], window["end"]] are kept. A window that would keep none (a loaded
+    machine, a short point: every request longer than the window) lasts until the first answer, so that a point
+    measures something whatever the machine's speed; window["end"] then says when it ended."""
 
     def client(index: int) -> None:
         try:
@@ -113,7 +115,7 @@ def _clients(connect: Connect, indices, window: dict, load: Load, lock: threadin
             next_send = window["start"] + index % len(indices) * interval / len(indices)
             while time.monotonic() < window["start"]:
                 time.sleep(0.001)
-            while time.monotonic() < window["end"]:
+            while time.monotonic() < window["end"] or (count is None and not load.samples and not window.get("over")):
                 if interval:  # paced: this client's next request waits for its turn
                     time.sleep(max(0.0, min(next_send, window["end"]) - time.monotonic()))
                     next_send += interval
@@ -126,6 +128,10 @@ def _clients(connect: Connect, indices, window: dict, load: Load, lock: threadin
                         count[0] -= 1
                 sample, answer = timed(send)
                 with lock:
+                    late = sample.done > window["end"] and count is None and not load.samples and \
+                        sample.sent >= window["measure"] and not window.get("over")
+                    if late:  # the first answer of a window that kept none: the window ends with it
+                        window["end"], window["over"] = sample.done, True
                     if window["measure"] <= sample.done <= window["end"]:
                         load.samples.append(sample)
                     if load.first_answer is None and not sample.error:
@@ -193,6 +199,8 @@ def closed_loop(connect: Connect, concurrency: int, seconds: float | None = None
         runner.join()
         if seconds is None:
             load.seconds = time.monotonic() - now
+        elif window.get("over"):  # stretched to its first answer
+            load.seconds = window["end"] - window["measure"]
     load.loadavg_1min = [round(before, 2), round(os.getloadavg()[0], 2)]
     return load
 

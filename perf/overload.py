@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import names
 from common.cli import OneLineParser, write_result
 from perf.load import OpenLoop, closed_loop, spread
 
@@ -87,7 +88,7 @@ def tail(urls: dict, model: str, path: str, protocol: str, concurrency: int, req
     from perf.samples import CAT
 
     data = encoded(CAT.read_bytes(), batched=True) if path == "image" else image
-    connect = infer_client(urls[protocol], f"{model}_image" if path == "image" else model, data, protocol)
+    connect = infer_client(urls[protocol], names.image_model(model) if path == "image" else model, data, protocol)
 
     def warmed(index: int):
         send, close = connect(index)

@@ -26,6 +26,7 @@ from urllib.parse import urlencode
 
 import numpy as np
 
+from common import names
 from common.cli import OneLineParser, write_result
 from common.contract import IMAGE_BYTES, LOGITS
 from perf import load, torchserve
@@ -86,7 +87,7 @@ def direct(url: str, model: str, body: bytes):
         image = httpclient.InferInput(IMAGE_BYTES, [1, 1], "BYTES")
         image.set_data_from_numpy(encoded(body, batched=True))
         wanted = [httpclient.InferRequestedOutput(LOGITS)]
-        return (lambda: client.infer(f"{model}_image", [image], outputs=wanted).as_numpy(LOGITS)), client.close
+        return (lambda: client.infer(names.image_model(model), [image], outputs=wanted).as_numpy(LOGITS)), client.close
 
     return connect
 
@@ -154,7 +155,7 @@ def run_ours(folder: Path, store: Path, flags: list[str], models: list[str], bod
                 results[name] = {"ours": {"registered": registered, "engine": engine, **ours}}
                 _call("DELETE", f"{front.management_url}/models/{name}")
                 continue
-            print(f"{label}, {name} direct to {name}_image:", file=sys.stderr)
+            print(f"{label}, {name} direct to {names.image_model(name)}:", file=sys.stderr)
             straight = measure(lambda c: as_point(load.closed_loop(direct(triton, name, body), c, args.seconds,
                                                                    warmup=args.warmup), args.warmup, top5), name)
             # Both paths run the same classifier: the API's first label is the direct logits' top one (only the

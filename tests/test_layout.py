@@ -130,3 +130,16 @@ def test_modules_import_each_other_without_a_circle_when_every_import_is_followe
             visit(module)
     assert len(graph) > 100 and graph["perf.gpu.served"]  # the house was read
     assert circles == []
+
+
+def test_triton_model_suffixes_are_spelled_only_in_the_name_table_when_the_code_is_read():
+    """Issue 53: the suffixes of a classifier's Triton models (NAME_image, NAME_preprocess, ...) were spelled out in
+    four modules and ~20 f-strings; common/names.py is the one table, every other module asks it."""
+    from common import names
+
+    suffixes = "|".join(suffix.lstrip("_") for suffix in names.SUFFIXES.values() if suffix)
+    spelled = re.compile(rf"""f["'][^"'\n]*\}}_({suffixes})\b|["']_({suffixes})["']""")
+    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+             for room in ROOMS - {"tests"} for path in _modules(room) if path.name != "names.py"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if spelled.search(line)]
+    assert not found, "\n".join(found)

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import names
 from common.cli import OneLineParser
 
 from common.contract import IMAGE_INPUTS, config_parameters
@@ -115,19 +116,19 @@ def _unbatched(client, server, base, best, args, result):
         result["batched_over_unbatched"] = batched[0]["images_per_s"] / point["images_per_s"]
     reload(client, args.model, base, parameters=change)
     result["loaded"] = change
-    client.load_model(f"{args.model}_image")  # an ensemble fails while its classifier runs unbatched
+    client.load_model(names.image_model(args.model))  # an ensemble fails while its classifier runs unbatched
 
 
 def _jpeg(client, server, base, best, args, result):
     if best and result.get("loaded") != best[0]:  # the JPEG path runs the best tensor config
         reload(client, args.model, base, parameters=best[0])
         result["loaded"] = best[0]
-    image = f"{args.model}_image"
+    image = names.image_model(args.model)
     image_base = client.get_model_config(image, as_json=True)["config"]
     fused = image_base.get("backend") == "python"  # --image-model fused (the GPU default): one stub
     # Fused: NAME_image runs the best tensor config itself and decodes where told; ensemble: its
     # preprocess step decodes where told, the classifier runs the best config.
-    target = image if fused else f"{args.model}_preprocess"
+    target = image if fused else names.named(args.model, "preprocess")
     target_base = image_base if fused else client.get_model_config(target, as_json=True)["config"]
     payload = args.jpeg.read_bytes()
     result["jpeg_file"] = f"{args.jpeg.name} ({len(payload)} bytes)"

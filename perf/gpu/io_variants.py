@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import names
 from common.contract import IMAGE, IMAGE_BYTES
 from common.modelconfig import read_config, to_text
 from perf.gpu.served import MODEL, health, infer, reference, served, verdict
@@ -72,13 +73,13 @@ def _io_variant(ctx: Context, repo: Path, variant: str, jpeg: bytes, images: np.
             except Exception as exc:
                 result["tensor_error"] = first_line(exc)
             try:
-                logits = infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, np.array([[jpeg]], dtype=object))[0]
+                logits = infer(server.grpc_url, names.image_model(MODEL), IMAGE_BYTES, np.array([[jpeg]], dtype=object))[0]
                 result["jpeg_top1"] = int(np.argmax(logits))
                 result["jpeg_relative_error"] = float(np.abs(logits - expected["jpeg"]).max()
                                                       / np.abs(expected["jpeg"]).max())
             except Exception as exc:
                 result["jpeg_error"] = first_line(exc)
-            result.update(health(server, [MODEL, f"{MODEL}_image"]))
+            result.update(health(server, [MODEL, names.image_model(MODEL)]))
     except Exception as exc:
         result["tensor_error"] = f"tritonserver: {first_line(exc)}"
     problems = [result[k] for k in ("tensor_error", "jpeg_error") if k in result]

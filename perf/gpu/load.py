@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from common import names
 from common.contract import IMAGE_INPUTS
 from perf.gpu.engine import sample
 from perf.load import closed_loop
@@ -69,7 +70,7 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
 
     stats = grpcclient.InferenceServerClient(url)
     # Whose batches Triton's statistics count: the classifier (behind an ensemble) unless told otherwise.
-    target = stats_model or (model if kind != "jpeg" else model.removesuffix("_image"))
+    target = stats_model or (model if kind != "jpeg" else names.base_of(model))
     before = {}
 
     def at_measure():

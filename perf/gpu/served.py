@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import names
 from common.contract import IMAGE, IMAGE_BYTES, LOGITS
 from common.modelconfig import read_config, to_text
 from server import libcuda
@@ -143,17 +144,17 @@ def reference(jpeg: bytes) -> np.ndarray:
 def _image_variant(ctx: Context, repo: Path, label: str, jpeg: bytes, expected: np.ndarray) -> dict:
     result = {"log": f"{label}.tritonserver.log"}
     request = np.array([[jpeg]], dtype=object)
-    models = [m for m in (MODEL, f"{MODEL}_preprocess", f"{MODEL}_image") if (repo / m).is_dir()]  # fused: no preprocess
+    models = [m for m in (MODEL, names.named(MODEL, "preprocess"), names.image_model(MODEL)) if (repo / m).is_dir()]  # fused: no preprocess
     try:
         with served(ctx, repo, label) as server:
             try:
-                logits = infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)[0]
+                logits = infer(server.grpc_url, names.image_model(MODEL), IMAGE_BYTES, request)[0]
                 result["top1"] = int(np.argmax(logits))
                 result["relative_error"] = float(np.abs(logits - expected).max() / np.abs(expected).max())
                 times = []
                 for _ in range(20):  # one client, one request at a time: the path's own latency
                     begin = time.perf_counter()
-                    infer(server.grpc_url, f"{MODEL}_image", IMAGE_BYTES, request)
+                    infer(server.grpc_url, names.image_model(MODEL), IMAGE_BYTES, request)
                     times.append(time.perf_counter() - begin)
                 result["latency_ms_p50"] = round(float(np.median(times)) * 1000, 2)
             except Exception as exc:
@@ -200,7 +201,7 @@ def image_path(ctx: Context) -> None:
         repo = work / "decode_gpu"
         if variants.get("decode_gpu", {}).get("status") == "failed" and repo.is_dir():
             # Which part dies: nvJPEG on a GPU instance, or handing its GPU tensor over to the classifier.
-            _set_parameter(repo / f"{MODEL}_preprocess", "output_device", "cpu")
+            _set_parameter(repo / names.named(MODEL, "preprocess"), "output_device", "cpu")
             variants["decode_gpu_output_cpu"] = _image_variant(ctx, repo, "image_path-decode_gpu_output_cpu",
                                                                jpeg, expected)
     finally:
