@@ -15,7 +15,6 @@ from common.procs import port_free
 from server.errors import ServerError
 from server.supervisor import Supervisor
 from server.torchserve import snapshots
-from server.torchserve.archives import ArchiveProblem
 from server.torchserve import grpc_api
 from server.torchserve.bounded_http import BoundedHttpToolsProtocol
 from server.torchserve.inference import Inference
@@ -23,7 +22,8 @@ from server.torchserve.management import Management
 from server.torchserve.metrics import Metrics
 from server.torchserve.ping import KEY_FILE  # TorchServe writes it in the directory it was started from
 from server.torchserve.properties import PropertiesError, Settings, settings as read_settings
-from server.torchserve.registry import Conflict, Registry
+from server.torchserve.refusals import Refusal
+from server.torchserve.registry import Registry
 from server.torchserve.replies import TorchServeHeaders
 from server.torchserve.replies import Tokens
 from server.triton import TritonServer
@@ -128,7 +128,7 @@ def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> N
                 registry.set_default(model)
             log(f'{"restored" if restoring else "loaded"} {model.name} {model.version} from {file}: batch_size '
                 f'{model.batch_size}, max_batch_delay {model.max_batch_delay} ms, {model.workers} worker(s)')
-        except (ArchiveProblem, Conflict, ServerError) as exc:  # as TorchServe: the others still load
+        except (Refusal, ServerError) as exc:  # as TorchServe: the others still load
             log(f"serve-repo: could not load {file}: {exc}")
 
 
@@ -172,10 +172,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
             f"{config.max_workers}: {config.max_workers} per model")
     registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
                         config.default_workers, config.job_queue_size, log, config.response_timeout,
-                        config.max_workers, canary=args.canary == "on")
-    registry.allowed_urls = config.allowed_urls
-    registry.max_pixels = config.max_pixels
-    registry.startup_timeout = config.startup_timeout
+                        config.max_workers, canary=args.canary == "on", startup_timeout=config.startup_timeout,
+                        allowed_urls=config.allowed_urls, max_pixels=config.max_pixels)
     if config.snapshot is not None:
         log(f"restoring the {sum(map(len, config.snapshot.values()))} registration(s) of its model_snapshot")
     load_at_startup(registry, config, config.model_store, log)
@@ -193,8 +191,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     apps = {"inference": tokens.guard(inference.app(), "inference"),
             "management": tokens.guard(management.app(), "management"),
             "metrics": Metrics(registry, server.http_url, server.metrics_url).app()}
-    services = {"grpc_inference": grpc_api.inference_service(inference, tokens, config.max_request_size),
-                "grpc_management": grpc_api.management_service(management, inference, tokens,
+    services = {"grpc_inference": grpc_api.inference_service(inference.predictions, tokens, config.max_request_size),
+                "grpc_management": grpc_api.management_service(management.operations, inference.predictions, tokens,
                                                                  config.max_request_size)}
     front = Front(apps, config, services)
     front.start()
