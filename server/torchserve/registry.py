@@ -42,6 +42,11 @@ class Registry:
         self.changed = lambda: None  # after each change a client made: TorchServe's config snapshot (snapshots.py)
         self.explainers = Explainers(self)  # the image path's explanations: a handler-path model loaded on demand
 
+    def on_change(self, save=None) -> None:
+        """`save` called after each change a client made (TorchServe's config snapshot: snapshots.py), its failure
+        (a ServerError) the caller's answer; None: nothing saved."""
+        self.changed = save if save is not None else lambda: None
+
     # -- lookups (the inference API's, on every request: no lock, dict reads are atomic) --
     def find(self, name: str, version: str | None = None) -> Model:
         versions = self.models.get(name)

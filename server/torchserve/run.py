@@ -212,11 +212,11 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
                                                       keep=args.keep_snapshots)
     if saved is not None:  # as TorchServe: once started, after each change a client makes, at the stop
         log(f"config snapshots: {saved.save('startup')}")
-        registry.changed = saved.changed  # a change not saved is answered 500, not as if durable
+        registry.on_change(saved.changed)  # a change not saved is answered 500, not as if durable
     status = supervisor.run(stop)
     front.stop()
     if saved is not None:
-        registry.changed = lambda: None
+        registry.on_change(None)
         saved.save("shutdown")
     server.stop(keep_log=bool(status))
     shutil.rmtree(repository, ignore_errors=True)
