@@ -21,12 +21,9 @@ def dumps(value) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
-def reply(value, status: int = 200, end: str = "\n", handler: bool = False) -> Response:
-    """The frontend's own answers end in a newline and say they are JSON; a handler's (predictions) do not, are
-    Python's json.dumps (`handler`: beyond ASCII escaped) and carry no content type, as TorchServe sends a handler's
-    answer with the type its handler set, and image_classifier sets none."""
-    text = json.dumps(value, indent=2) if handler else dumps(value)
-    return Response(text + end, status, media_type=None if handler else "application/json")
+def reply(value, status: int = 200) -> Response:
+    """The frontend's own answers end in a newline and say they are JSON (a handler's: predictions.Prediction)."""
+    return Response(dumps(value) + "\n", status, media_type="application/json")
 
 
 # What TorchServe's NettyUtils.sendHttpResponse adds to every answer of its three HTTP APIs (besides x-request-id, a
