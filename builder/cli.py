@@ -18,6 +18,7 @@ from builder import handler_model, mar, sources
 from builder.plan import check_source, make_plan, precision_note
 from builder.repository import ENGINES, BuildError, InterruptedAfterSwap, build, check_free, check_writable
 from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
+from common import names
 from common import precision as precisions
 from common.build_result import BuiltModel, BuildResult
 from common.cli import OneLineParser
@@ -252,8 +253,7 @@ def _written(out: dict, output: Path, configs: list[Path], roles: dict[str, str]
 
 def _roles(name: str) -> dict[str, str]:
     """What each model an image-path build may write is (common/build_result.py's ROLES)."""
-    return {name: "classifier", f"{name}_preprocess": "preprocess", f"{name}_image": "image",
-            f"{name}_onnx": "export", f"{name}_torchscript": "export"}
+    return names.build_roles(name)
 
 
 def _main(args, workdir: Path, out: dict) -> int:

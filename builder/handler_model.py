@@ -9,6 +9,7 @@ from pathlib import Path
 from builder import config as cfg
 from builder import mar
 from common import precision as precisions
+from common.archive import ModelSettings, config_name
 from common.contract import BODY, HANDLER_OUTPUTS
 from builder.plan import instance_kind, preprocessing_overrides
 from builder.repository import HANDLER_FILES, model_names
@@ -79,22 +80,21 @@ def build(args, report=print) -> list[Path]:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _model_config(folder: Path, model: dict) -> dict:
-    """The archive's model-config.yaml (its manifest's configFile), as TorchServe reads it; {} without one."""
-    config = folder / (model.get("configFile") or "model-config.yaml")
-    return mar.read_yaml(config) if config.is_file() else {}
+def _model_config(folder: Path, model: dict) -> ModelSettings:
+    """The archive's model-config.yaml (its manifest's configFile), as TorchServe reads it."""
+    return mar.read_settings(folder / config_name(model))
 
 
-def _spec(name: str, args, settings: dict, handler: str) -> cfg.ModelSpec:
+def _spec(name: str, args, settings: ModelSettings, handler: str) -> cfg.ModelSpec:
     """max_batch_size: the flag, else the archive's batchSize, else 8; the delay: the flag, else maxBatchDelay,
     else the kind's default; instances: the flag, else minWorkers, else the kind's default."""
     kind = instance_kind(args.kind)
     default = cfg.DEFAULTS[kind]
-    batch = _first(args.max_batch_size, _number(settings, "batchSize", int), cfg.DEFAULT_MAX_BATCH_SIZE)
-    delay_ms = _number(settings, "maxBatchDelay", float)
+    batch = _first(args.max_batch_size, settings.batch_size, cfg.DEFAULT_MAX_BATCH_SIZE)
+    delay_ms = settings.max_batch_delay
     delay = _first(args.max_queue_delay_us, None if delay_ms is None else round(delay_ms * 1000),
                    default.max_queue_delay_us)
-    instances = _first(args.instances, _number(settings, "minWorkers", int), default.instances)
+    instances = _first(args.instances, settings.min_workers, default.instances)
     body = cfg.Tensor(BODY, "TYPE_STRING", (1,))
     outputs = tuple(cfg.Tensor(name, "TYPE_STRING" if dtype == "BYTES" else f"TYPE_{dtype}", (1,))
                     for name, dtype in HANDLER_OUTPUTS)
@@ -141,13 +141,6 @@ def _requirements(folder: Path, model: dict) -> str:
               if line.strip() and not line.strip().startswith("#")]
     return (f"the archive's {name} lists {len(listed)} package(s) ({', '.join(listed[:8])}"
             f"{', ...' if len(listed) > 8 else ''}): not installed; install them where tritonserver runs")
-
-
-def _number(settings: dict, key: str, kind: type):
-    value = settings.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return kind(value)
 
 
 def _first(*values):

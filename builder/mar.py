@@ -9,7 +9,6 @@ from pathlib import Path, PurePosixPath
 from builder.weights import WeightsError
 from common import archive as archives
 from common.archive import MANIFEST
-from common.messages import first_line
 
 # TorchServe's built-in handler whose preprocessing we reproduce exactly (builder.weights.IMAGENET).
 IMAGE_CLASSIFIER = ("image_classifier", "ts.torch_handler.image_classifier")
@@ -35,7 +34,7 @@ class Archive:
     model_file: Path | None  # extracted; None for TorchScript archives
     extra_files: list[Path] = field(default_factory=list)  # extracted
     labels_file: Path | None = None
-    config: dict = field(default_factory=dict)  # model-config.yaml, if the archive has one
+    settings: archives.ModelSettings = field(default_factory=archives.ModelSettings)  # its model-config.yaml's
 
     @property
     def image_classifier(self) -> bool:
@@ -43,16 +42,15 @@ class Archive:
 
     @property
     def batch_size(self) -> int | None:
-        return _int(self.config, "batchSize")
+        return self.settings.batch_size
 
     @property
-    def max_batch_delay_ms(self) -> float | None:
-        value = self.config.get("maxBatchDelay")
-        return float(value) if isinstance(value, (int, float)) else None
+    def max_batch_delay_ms(self) -> int | None:
+        return self.settings.max_batch_delay
 
     @property
     def workers(self) -> int | None:
-        return _int(self.config, "minWorkers")
+        return self.settings.min_workers
 
 
 def manifest(path: Path) -> dict:
@@ -97,10 +95,9 @@ def read(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES
         except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # e.g. a member longer than it declares
             raise ArchiveError(f"{path} is corrupt ({exc}); nothing was written") from None
     labels = next((p for p in extra if p.name == archives.LABELS), None)
-    config_name = model.get("configFile") or "model-config.yaml"
-    config_file = next((p for p in extra if p.name == config_name), None)
+    config_file = next((p for p in extra if p.name == archives.config_name(model)), None)
     return Archive(path, model["modelName"], str(model.get("handler") or ""), weights, model_file,
-                   [p for p in extra if p.suffix == ".py"], labels, read_yaml(config_file) if config_file else {})
+                   [p for p in extra if p.suffix == ".py"], labels, read_settings(config_file))
 
 
 def unpack(path: Path, workdir: Path, max_bytes: int = DEFAULT_MAX_EXTRACTED_BYTES) -> dict:
@@ -158,16 +155,11 @@ def _gb(size: int) -> str:
     return f"{size / (1 << 30):g} GiB"
 
 
-def read_yaml(path: Path) -> dict:
-    import yaml
-
+def read_settings(path: Path | None) -> archives.ModelSettings:
+    """An extracted model-config.yaml by common/archive.py's one rule (none: no settings); not YAML: ArchiveError."""
+    if path is None or not path.is_file():
+        return archives.ModelSettings()
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ArchiveError(f"{path.name} in the archive is not valid YAML: {first_line(exc)}") from None
-    return data if isinstance(data, dict) else {}
-
-
-def _int(config: dict, key: str) -> int | None:
-    value = config.get(key)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return archives.model_settings(path.read_bytes(), name=path.name)
+    except archives.ArchiveError as exc:
+        raise ArchiveError(str(exc)) from None

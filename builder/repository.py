@@ -16,6 +16,7 @@ from builder import export
 from builder.staging import (BuildError, InterruptedAfterSwap, check_writable, remove_stale_staging,  # noqa: F401
                              signals_deferred, staging_prefix, swap_in)
 from builder.weights import Classifier
+from common import names
 from common.contract import IMAGE, IMAGE_BYTES, IMAGE_INPUTS, LOGITS
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -63,8 +64,8 @@ class Options:
 def model_names(name: str, formats: tuple[str, ...], image_model: str = "ensemble") -> list[str]:
     """The models a build writes: only what serves (the fused image model needs no NAME_preprocess, whose
     stub would import torch and hold memory with nothing routed to it)."""
-    names = [name, f"{name}_image"] + ([f"{name}_preprocess"] if image_model == "ensemble" else [])
-    return names + [f"{name}_{fmt}" for fmt in ("onnx", "torchscript") if fmt in formats]
+    written = [name, names.image_model(name)] + ([names.named(name, "preprocess")] if image_model == "ensemble" else [])
+    return written + [names.named(name, fmt) for fmt in names.EXPORTS if fmt in formats]
 
 
 def retired_names(name: str, formats: tuple[str, ...], image_model: str) -> list[str]:
@@ -76,17 +77,17 @@ def retired_names(name: str, formats: tuple[str, ...], image_model: str) -> list
 def check_free(output: Path, name: str, formats: tuple[str, ...], force: bool,
                image_model: str = "ensemble") -> list[str]:
     """The model directories a build writes; refuse if one exists (or one it would retire) and `force` is off."""
-    names = model_names(name, formats, image_model)
-    existing = [output / n for n in names + retired_names(name, formats, image_model) if (output / n).exists()]
+    served = model_names(name, formats, image_model)
+    existing = [output / n for n in served + retired_names(name, formats, image_model) if (output / n).exists()]
     if existing and not force:
         raise BuildError(f"{existing[0]} already exists; pass --force to replace it")
-    return names
+    return served
 
 
 def build(classifier: Classifier, output: Path, options: Options, force: bool = False,
           report=print) -> list[Path]:
     """Write every model directory into a staging folder, verify, then move them into place."""
-    names = check_free(output, classifier.name, options.formats, force, options.image_model)
+    served = check_free(output, classifier.name, options.formats, force, options.image_model)
     check_writable(output)
     remove_stale_staging(output)
     # The staging folder sits beside the repository (same filesystem: rename is atomic) but not
@@ -110,7 +111,7 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
             if bad:
                 raise BuildError(f"{', '.join(bad)} differ from eager torch; nothing was written")
         _write_all(staging, classifier, options, artifacts)
-        for name in names:
+        for name in served:
             # Bytecode written now, not by the stubs at the first load: Triton counts files newer than a load as
             # a modified version, and a later load of a modified version (serve-repo replacing a dead stub) is
             # a whole new copy of the model instead of an update of just the dead instance's group.
@@ -119,7 +120,7 @@ def build(classifier: Classifier, output: Path, options: Options, force: bool = 
         # half old, half new, or a previous model renamed into the staging folder and removed with it.
         with signals_deferred(InterruptedAfterSwap):
             try:
-                written = [swap_in(staging / name, output / name) / "config.pbtxt" for name in names]
+                written = [swap_in(staging / name, output / name) / "config.pbtxt" for name in served]
                 for name in retired_names(classifier.name, options.formats, options.image_model):
                     # Written by an earlier build, served by nothing now: a server loading it would start its stub.
                     if (output / name).exists():
@@ -206,7 +207,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
     hop = _image_input(side, options.input_dtype)
     _config(staging / c.name, hop, logits, cfg.Format.PYTHON, options, classifier_parameters)
 
-    pre = f"{c.name}_preprocess"
+    pre = names.named(c.name, "preprocess")
     _copy_backend(PREPROCESS_FILES, _model_dir(staging / pre, None))
     # decode_device gpu: JPEGs are decoded on the GPU and IMAGE stays in GPU memory between the two
     # steps of the ensemble (Triton's CUDA memory pool). Otherwise decoding runs on CPU instances and
@@ -217,7 +218,7 @@ def _write_all(staging: Path, c: Classifier, options: Options, artifacts: dict[s
             {"num_threads": str(options.num_threads), "decode_device": "gpu" if ensemble_gpu_decode else "cpu",
              **common})
 
-    image_model = f"{c.name}_image"
+    image_model = names.image_model(c.name)
     fused = _model_dir(staging / image_model, labels)
     if options.image_model == "fused":  # the classifier's artifacts, linked (not copied) where possible
         _copy_backend(FUSED_FILES, fused)

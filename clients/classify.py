@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common import names
 from common.cli import OneLineParser
 
 from common.contract import IMAGE_INPUTS, LOGITS as OUTPUT, config_parameters
@@ -150,7 +151,7 @@ def classify_raw(paths: list[Path], url: str, protocol: str, model: str, k: int)
     """Send the files' bytes to the NAME_image ensemble (the server decodes, preprocesses and batches),
     then rank its logits into top-k probabilities, as TorchServe's image_classifier answers."""
     client, triton = connect(url, protocol)
-    name = model if model.endswith("_image") else f"{model}_image"
+    name = names.image_model(names.base_of(model))
     if not triton.is_model_ready(name):
         raise ClientError(f"model {name!r} is not ready on the server (build-repo writes it beside {model!r})")
     config = model_config(triton, name)

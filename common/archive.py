@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import zipfile
+from dataclasses import dataclass, field
+
+from common.messages import first_line
 
 MANIFEST = "MAR-INF/MANIFEST.json"
 LABELS = "index_to_name.json"  # where TorchServe's handlers find class names (BaseHandler: the archive's root)
+MODEL_CONFIG = "model-config.yaml"  # the manifest's configFile when it names none
 
 
 class ArchiveError(ValueError):
@@ -26,6 +30,43 @@ def read_manifest(archive: zipfile.ZipFile, named: bool = True) -> dict:
     if named and (not isinstance(model, dict) or not model.get("modelName")):
         raise ArchiveError(f"{MANIFEST} has no model.modelName")
     return data
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """An archive's model-config.yaml as TorchServe 0.12's ModelConfig.build reads it: each of these an integer where
+    the file gives one, else None (TorchServe logs "should be integer" and keeps its default); what each reader makes
+    of them (TorchServe's registration, build-repo's flags) is its own. `raw`: the whole mapping."""
+    batch_size: int | None = None
+    max_batch_delay: int | None = None  # ms
+    min_workers: int | None = None
+    max_workers: int | None = None
+    raw: dict = field(default_factory=dict)
+
+
+def config_name(model: dict) -> str:
+    """The archive member that holds the model's settings: the manifest's configFile, else model-config.yaml."""
+    return str(model.get("configFile") or MODEL_CONFIG) if isinstance(model, dict) else MODEL_CONFIG
+
+
+def model_settings(text: bytes | str, strict: bool = True, name: str = MODEL_CONFIG) -> ModelSettings:
+    """`text` (a model-config.yaml) read; not YAML: ArchiveError naming `name` where `strict` (build-repo names the
+    fault), else no settings (the TorchServe front registers the archive as TorchServe does)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        if strict:
+            raise ArchiveError(f"{name} in the archive is not valid YAML: {first_line(exc)}") from None
+        data = {}
+    data = data if isinstance(data, dict) else {}
+
+    def integer(key: str) -> int | None:
+        value = data.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return ModelSettings(integer("batchSize"), integer("maxBatchDelay"), integer("minWorkers"), integer("maxWorkers"),
+                         data)
 
 
 def label_mapping(mapping) -> dict[str, str]:

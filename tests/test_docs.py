@@ -13,6 +13,8 @@ RESULTS = ("perf/results", "drills/results")
 # Where a run's machine leaves its mark: home folders, temp folders, this project's checkouts, system trees.
 MACHINE_PATHS = (b"/root/", b"/tmp/", b"/home/", b"/work/", b"/Users/", b"/usr/", b"/opt/", b"/mnt/")
 # Rooms whose every module the full map (docs/contributing.md) must name.
+# Flags the docs give for another tool's command that nothing here runs (docker/README.md: a plain `docker run`).
+OTHER_TOOLS_FLAGS = {"--health-cmd"}
 ROOMS = ("common", "builder", "server", "backends", "clients", "perf", "drills", "examples", "tools")
 
 
@@ -122,3 +124,27 @@ def test_readme_short_map_names_every_top_level_folder_when_read():
     assert not [top for top in entries if not (ROOT / top).exists()], "the README's map names what does not exist"
     missing = _top_folders() - {top.split("/")[0] for top in entries}
     assert not missing, f"top-level folders missing from the README's map: {sorted(missing)}"
+
+
+def test_every_documented_flag_is_in_the_code_when_the_docs_are_read():
+    """Issue 53: a flag the docs name (`--keep-snapshots`, a tritonserver flag serve-repo passes, a script's option)
+    is in a parser, a script or a command line of the project: one that disappears from the code fails here."""
+    code = "\n".join(p.read_text(errors="replace") for p in _files()
+                     if p.suffix in (".py", ".sh", ".yaml", ".toml") or p.name in ("Makefile", "Dockerfile"))
+    named = {flag for md in _markdown() if md.name != "CHANGELOG.md"
+             for span in re.findall(r"`([^`\n]+)`", md.read_text())
+             for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", span)}
+    missing = sorted(flag for flag in named - OTHER_TOOLS_FLAGS
+                     if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", code))
+    assert len(named) > 50 and not missing, f"flags the docs name and the code lacks: {missing}"
+
+
+def test_every_honoured_config_key_is_documented_and_every_documented_one_honoured_when_read():
+    """Issue 53: docs/migrating.md's config.properties row and the keys serve-repo reads (properties.HONOURED) agree."""
+    from server.torchserve.properties import HONOURED
+
+    text = (ROOT / "docs" / "migrating.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `config.properties` |"))
+    named = set(re.findall(r"`([a-z]+(?:_[a-z]+)+)`", row))
+    assert named and named <= HONOURED, f"documented, not read: {sorted(named - HONOURED)}"
+    assert not [key for key in HONOURED if f"`{key}" not in text], "read, not documented"

@@ -129,3 +129,46 @@ def test_served_config_changes_only_what_it_is_given_and_refuses_an_undocumented
     assert changed.parameters["max_pixels"].string_value == "1000" and changed.instance_group == config.instance_group
     with pytest.raises(ValueError, match="max_pixel are not in"):
         served(config, parameters={"max_pixel": "1000"})
+
+
+SETTINGS_CASES = ["batchSize: 4\nmaxBatchDelay: 20\nminWorkers: 2\nmaxWorkers: 3\n",
+                  "batchSize: 2.5\nmaxBatchDelay: true\nminWorkers: '2'\n",  # not integers: TorchServe keeps defaults
+                  "batchSize: 0\nmaxBatchDelay: 0\nminWorkers: 3\nmaxWorkers: 1\n", "- a list\n", "{not: yaml: [", ""]
+
+
+@pytest.mark.parametrize("text", SETTINGS_CASES)
+def test_build_repo_and_the_front_read_an_archives_model_config_by_one_rule_when_given(tmp_path: Path, text):
+    """Issue 53: model-config.yaml was read three ways with three rules (the front, build-repo's image path, its
+    handler path); one reader now (common/archive.model_settings), TorchServe's: integers only."""
+    import json
+    import zipfile
+
+    import yaml
+
+    from builder import mar
+    from common.archive import model_settings
+    from server.torchserve.archives import inspect
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        data = None
+    data = data if isinstance(data, dict) else {}
+    wanted = [data.get(key) if type(data.get(key)) is int else None
+              for key in ("batchSize", "maxBatchDelay", "minWorkers", "maxWorkers")]
+    settings = model_settings(text, strict=False)
+    assert [settings.batch_size, settings.max_batch_delay, settings.min_workers, settings.max_workers] == wanted
+    archive = tmp_path / "m.mar"
+    with zipfile.ZipFile(archive, "w") as made:
+        made.writestr("MAR-INF/MANIFEST.json", json.dumps({"model": {"modelName": "m", "configFile": "c.yaml"}}))
+        made.writestr("c.yaml", text)
+    info = inspect(archive, "m.mar")  # the front: what TorchServe's registration takes of them
+    assert (info.batch_size, info.max_batch_delay) == tuple(v if v and v > 0 else None for v in wanted[:2])
+    assert info.min_workers == (wanted[2] if wanted[2] and wanted[3] is not None and 0 < wanted[2] <= wanted[3]
+                                else None)
+    (tmp_path / "c.yaml").write_text(text)
+    if text.startswith("{not"):  # build-repo names the fault
+        with pytest.raises(mar.ArchiveError, match="c.yaml in the archive is not valid YAML"):
+            mar.read_settings(tmp_path / "c.yaml")
+    else:
+        assert mar.read_settings(tmp_path / "c.yaml") == settings

@@ -227,6 +227,31 @@ def test_torchserve_restores_our_snapshot_with_its_sha256_as_we_described_it_whe
     assert settings(restored) == settings(state)
 
 
+def test_a_restored_model_whose_workers_fail_to_start_stays_registered_as_recorded_when_restarted(ours, store):
+    """Issue 52: a restore whose workers did not start (a timeout under load) dropped the registration, and the
+    startup snapshot after it: the next restart had lost an answered change. It stays registered, bounds kept, none
+    running, said in one line; the snapshots keep recording it."""
+    _, before, _ = ours
+    first_stop = next(path for path in written(before.folder) if path.name.endswith("-shutdown.cfg"))
+    props = parse(first_stop.read_text())
+    snapshot = json.loads(props["model_snapshot"])
+    beta = {**snapshot["models"]["beta"]["1.0"], "startupTimeout": 0}  # no worker can start in 0 s
+    snapshot.update(models={"beta": {"1.0": beta}}, modelCount=1)
+    target = store.parent / "restore-fails"
+    (target / "logs" / "config").mkdir(parents=True)
+    (target / "logs" / "config" / first_stop.name).write_text(
+        snapshots.properties_text({**props, "model_snapshot": json.dumps(snapshot)}, 0))
+    front = TorchServeFront(target, "--model-store", str(store), config=False, ports=before.ports)
+    try:
+        described_beta = json.loads(call("GET", f"{front.management_url}/models/beta")[1])[0]
+        assert (described_beta["minWorkers"], described_beta["maxWorkers"], described_beta["workers"]) == (2, 3, [])
+        assert front.seen("serve-repo: restored beta 1.0 with no worker running: its workers did not start")
+        startup = next(path for path in written(target) if path.name.endswith("-startup.cfg"))
+        assert model_snapshot(startup)["models"]["beta"]["1.0"]["minWorkers"] == 2
+    finally:
+        front.stop()
+
+
 def test_latest_is_the_newest_by_its_names_time_when_several(tmp_path):
     for name in ("20261127072035809-startup.cfg", "20261127072104409-shutdown.cfg", "20261127072103755-snapshot.cfg",
                  "notes.txt", ".snapshot-x"):

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
-from common.archive import MANIFEST, ArchiveError, read_labels, read_manifest
+from common.archive import (MANIFEST, ArchiveError, ModelSettings, config_name, model_settings, read_labels,
+                            read_manifest)
 from common.build_result import BuildResult
 from common.messages import first_line
 from server.torchserve.refusals import Refusal
@@ -87,7 +88,8 @@ def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
 
 
 def _own_machine(host: str | None) -> bool:
-    """True where `host` is or resolves to a loopback, link-local or unspecified address (or does not resolve)."""
+    """True where `host` is empty or resolves to a loopback, link-local or unspecified address; a host that does not
+    resolve is not this machine (False): its download fails as TorchServe's does."""
     if not host:
         return True
     try:
@@ -202,40 +204,27 @@ def inspect(path: Path, url: str) -> ArchiveInfo:
                 labels = read_labels(archive)
             except ArchiveError:  # TorchServe's handler would fail to load; build-repo says why
                 labels = None
-            config = str(model.get("configFile") or "model-config.yaml") if isinstance(model, dict) else ""
+            config = config_name(model)
             small = config in names and archive.getinfo(config).file_size <= MAX_CONFIG_BYTES
-            settings = _yaml(archive.read(config)) if small else {}
+            settings = model_settings(archive.read(config), strict=False) if small else ModelSettings()
     except (zipfile.BadZipFile, ArchiveError, KeyError, UnicodeDecodeError, OSError, AttributeError):
         raise Refusal(f"Model name is not defined: {url} is not a model archive (.mar)") from None
     if not isinstance(model, dict) or not model.get("modelName"):
         raise Refusal("Model name is not defined.")
     return ArchiveInfo(path, url, str(model["modelName"]), str(model.get("modelVersion") or "1.0"),
                        str(model.get("handler") or ""), labels, digest.hexdigest(),
-                       _archive_workers(settings), _positive(settings.get("batchSize")),
-                       _positive(settings.get("maxBatchDelay")))
+                       _archive_workers(settings), _positive(settings.batch_size), _positive(settings.max_batch_delay))
 
 
-def _positive(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+def _positive(value: int | None) -> int | None:
+    return value if value is not None and value > 0 else None
 
 
-def _yaml(text: bytes) -> dict:
-    """model-config.yaml as TorchServe reads it; {} where it is not a YAML mapping (build-repo names the fault)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(text)
-    except (yaml.YAMLError, UnicodeDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _archive_workers(settings: dict) -> int | None:
+def _archive_workers(settings: ModelSettings) -> int | None:
     """minWorkers where TorchServe 0.12 registers with it (ApiUtils.handleRegister: over initial_workers): a positive
     minWorkers with a maxWorkers at least as large."""
-    low, high = (settings.get(key) for key in ("minWorkers", "maxWorkers"))
-    numbers = all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high))
-    return low if numbers and 0 < low <= high else None
+    low, high = settings.min_workers, settings.max_workers
+    return low if low is not None and high is not None and 0 < low <= high else None
 
 
 def build_registered(info: ArchiveInfo, handler: str | None, triton_name: str, cache: Path, options: list[str],
@@ -322,7 +311,7 @@ def with_handler(info: ArchiveInfo, handler: str, folder: Path) -> ArchiveInfo:
     with zipfile.ZipFile(info.path) as source, zipfile.ZipFile(name, "w", zipfile.ZIP_STORED) as copy:
         for member in source.infolist():
             if member.filename == MANIFEST:
-                manifest = json.loads(source.read(member))
+                manifest = read_manifest(source, named=False)  # read as every reader of ours reads it
                 manifest.setdefault("model", {})["handler"] = handler
                 copy.writestr(member, json.dumps(manifest, indent=4))
             else:

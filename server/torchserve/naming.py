@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import re
 
+from common import names
+
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-# What build-repo may add to BASE (the onnx/torchscript exports with --formats), and BASE_explain (the image path's
-# explanations, explainers.py): a registration's Triton names are BASE plus each of these, and no two registrations
-# may share one.
-SUFFIXES = ("", "_preprocess", "_image", "_onnx", "_torchscript", "_explain")
+# A registration's Triton names: BASE and what build-repo may add to it (common/names.py's table, the exports of
+# --formats and BASE_explain, the image path's explanations, included); no two registrations may share one.
+SUFFIXES = tuple(names.SUFFIXES.values())
 # The longest model name and version: BASE (the name, or NAME_vVERSION cut at 160) + a 33-character hash + the longest
 # suffix stays far within a file name's 255 bytes, and a snapshot of many registrations stays small (issue 52 F3).
 MAX_NAME, MAX_VERSION = 128, 64
@@ -28,7 +29,7 @@ def refusal(name: str, version: str) -> str | None:
 
 
 def triton_names(base: str) -> set[str]:
-    return {base + suffix for suffix in SUFFIXES}
+    return names.every_name(base)
 
 
 def triton_base(name: str, version: str, first: bool, taken: set[str]) -> str | None:

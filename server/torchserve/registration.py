@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from common import names
 from common.build_result import BuildResult
 from server.torchserve.archives import ArchiveInfo
 
@@ -46,7 +47,7 @@ class Model:
 
     @property
     def image_model(self) -> str:
-        return f"{self.triton}_image"
+        return names.image_model(self.triton)
 
     @property
     def entry(self) -> str:
@@ -55,5 +56,5 @@ class Model:
 
     @property
     def explainer_name(self) -> str:
-        """The Triton model of the image path's explanations (naming.SUFFIXES reserves it)."""
-        return f"{self.triton}_explain"
+        """The Triton model of the image path's explanations (common/names.py reserves it)."""
+        return names.named(self.triton, "explain")

@@ -109,9 +109,10 @@ class Registry:
             self._drop_download(url, path)
             raise
 
-    def complete(self, model: Model) -> None:
+    def complete(self, model: Model, keep: bool = False) -> None:
         """A claimed model built and served (unless unregistered meanwhile); on failure it is forgotten, as TorchServe
-        unregisters a model whose workers failed to start."""
+        unregisters a model whose workers failed to start -- unless `keep` (a restore's): then it stays registered as
+        recorded, its bounds kept and no worker running, so that no restart loses a registration (issue 52)."""
         try:
             with self._lock:
                 if self.models.get(model.name, {}).get(model.version) is not model:
@@ -119,6 +120,9 @@ class Registry:
                 if model.workers:  # registered with 0 workers: none to start until scaled
                     self._start(model, model.version)
         except BaseException:
+            if keep:
+                model.bounds, model.workers = model.bounds or (model.workers, model.workers), 0
+                raise
             with self._claims:
                 self._forget(model)
             self._drop_download(model.info.url, model.info.path)

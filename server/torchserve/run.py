@@ -118,18 +118,28 @@ def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> N
     restoring = config.snapshot is not None  # a snapshot's workers exactly (0 too), its default versions
     for name, file, extra in startup_models(config, store):
         try:
-            model = registry.register(file, name, extra.get("batchSize"), extra.get("maxBatchDelay"),
-                                      extra.get("minWorkers"), extra.get("responseTimeout") or config.response_timeout,
-                                      loaded_at_startup=not restoring, startup_timeout=extra.get("startupTimeout"),
-                                      restored=restoring)
-            if restoring and extra.get("maxWorkers", model.workers) > model.workers:  # as TorchServe's setModelState
-                model.bounds = (model.workers, extra["maxWorkers"])
-            if restoring and extra.get("defaultVersion"):
-                registry.set_default(model)
-            log(f'{"restored" if restoring else "loaded"} {model.name} {model.version} from {file}: batch_size '
-                f'{model.batch_size}, max_batch_delay {model.max_batch_delay} ms, {model.workers} worker(s)')
+            model = registry.claim(file, name, extra.get("batchSize"), extra.get("maxBatchDelay"),
+                                   extra.get("minWorkers"), extra.get("responseTimeout") or config.response_timeout,
+                                   loaded_at_startup=not restoring, startup_timeout=extra.get("startupTimeout"),
+                                   restored=restoring)
         except (Refusal, ServerError) as exc:  # as TorchServe: the others still load
             log(f"serve-repo: could not load {file}: {exc}")
+            continue
+        if restoring and extra.get("maxWorkers", model.workers) > model.workers:  # as TorchServe's setModelState
+            model.bounds = (model.workers, extra["maxWorkers"])
+        if restoring and extra.get("defaultVersion"):
+            registry.set_default(model)
+        try:
+            registry.complete(model, keep=restoring)
+        except (Refusal, ServerError) as exc:
+            if restoring:  # still registered as recorded (not TorchServe's: it drops it, and its next snapshot too)
+                log(f"serve-repo: restored {model.name} {model.version} with no worker running: its workers did not "
+                    f"start ({exc}); scale it (PUT /models/{model.name}?min_worker=N) to start them")
+            else:
+                log(f"serve-repo: could not load {file}: {exc}")
+            continue
+        log(f'{"restored" if restoring else "loaded"} {model.name} {model.version} from {file}: batch_size '
+            f'{model.batch_size}, max_batch_delay {model.max_batch_delay} ms, {model.workers} worker(s)')
 
 
 def serve(args, extra: list[str], stop: threading.Event, log) -> int:
@@ -194,6 +204,10 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     services = {"grpc_inference": grpc_api.inference_service(inference.predictions, tokens, config.max_request_size),
                 "grpc_management": grpc_api.management_service(management.operations, inference.predictions, tokens,
                                                                  config.max_request_size)}
+    saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log,
+                                                      keep=args.keep_snapshots)
+    if saved is not None:  # before the APIs listen: a change answered in the moment after is in a snapshot too
+        registry.on_change(saved.changed)  # a change not saved is answered 500, not as if durable
     front = Front(apps, config, services)
     front.start()
     if not front.ready.wait(30) or front.failed:
@@ -208,11 +222,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         + f"  model-api {'on' if config.enable_model_api else 'off'}  token "
         + (f"on ({tokens.path})" if config.token_auth else "off") + f"  (tritonserver on {server.http_url}, "
         f"metrics {server.metrics_url}, no TCP port, gRPC off, log {server.log_file})")
-    saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log,
-                                                      keep=args.keep_snapshots)
     if saved is not None:  # as TorchServe: once started, after each change a client makes, at the stop
         log(f"config snapshots: {saved.save('startup')}")
-        registry.on_change(saved.changed)  # a change not saved is answered 500, not as if durable
     status = supervisor.run(stop)
     front.stop()
     if saved is not None:
