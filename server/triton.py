@@ -241,13 +241,20 @@ class TritonServer:
             return False
 
     def rebuilt(self, name: str) -> bool:
-        """True when `name`'s folder no longer holds what Triton loaded (build-repo --force into a served
-        repository)."""
+        """True when `name`'s folder no longer holds what Triton loaded (build-repo --force into a served one)."""
         return name in self.served_files and fingerprint(self.repository / name) != self.served_files[name]
 
     def loaded_anew(self, name: str) -> None:
         """Record that Triton now serves what `name`'s folder holds."""
         self.served_files[name] = fingerprint(self.repository / name)
+
+    def watch(self, names: list[str], watched: bool = True) -> None:
+        """`names` loaded (else unloaded) live: the supervisor replaces their dead stubs (else no longer)."""
+        self.loaded = [*self.loaded, *names] if watched else [m for m in self.loaded if m not in names]
+
+    def abandon(self, pids) -> None:
+        """Live stubs of a copy whose unload never ends: counted as instances never freed (server/supervisor.py)."""
+        self.abandoned.update(pids)
 
     def model_ready(self, name: str) -> bool:
         return self._asks(lambda client: client.is_model_ready(name))
@@ -296,14 +303,8 @@ class TritonServer:
         """Stop: Triton refuses new work and finishes what it holds for up to drain_seconds
         (--exit-timeout-secs); whatever is left after that (a stuck stub) is killed. Then cleanup, which
         keeps our temporary log when the run failed: `keep_log`, or tritonserver's own exit was not 0."""
-        process = self._process
-        if process is not None:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout if timeout is not None else self.drain_seconds + 5)
-                except subprocess.TimeoutExpired:
-                    pass
+        if self._process is not None:
+            self.terminate(timeout)
             self._reap()
         if self._workdir is not None:
             # A tritonserver that someone else SIGTERMed exits 0 like one we stopped: only the caller knows
@@ -313,15 +314,15 @@ class TritonServer:
             self._workdir = None
         return self.returncode
 
-    def terminate(self) -> None:
-        """SIGTERM and wait for the exit (Triton drains for up to drain_seconds); the caller restarts it."""
+    def terminate(self, timeout: float | None = None) -> None:
+        """SIGTERM and wait for the exit (Triton drains up to drain_seconds); the caller restarts or reaps it."""
         process = self._process
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(self.drain_seconds + 5)
+                process.wait(timeout if timeout is not None else self.drain_seconds + 5)
             except subprocess.TimeoutExpired:
-                pass  # restart() kills what is left
+                pass  # restart() / _reap() kills what is left
 
     def _reap(self) -> None:
         """After the server ended (or to end it): kill its process group, reap it, remove its shm."""

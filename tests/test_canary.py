@@ -130,7 +130,8 @@ def test_torchserve_front_refuses_a_registration_with_500_when_its_model_answers
     """The registry's path for a failed load (TorchServe's 500 InternalServerException), the archive's reading and
     build stood in for by a built folder whose classifier answers NaN."""
     from server.torchserve import registry as registered
-    from server.torchserve.archives import ArchiveInfo, ArchiveProblem
+    from server.torchserve.archives import ArchiveInfo
+    from server.torchserve.refusals import Refusal
 
     built = _wrong_repo(repository, tmp_path / "built", "nan")
     info = ArchiveInfo(tmp_path / "wrong.mar", "wrong.mar", SMALL, "1.0", "image_classifier", None, "0")
@@ -144,7 +145,7 @@ def test_torchserve_front_refuses_a_registration_with_500_when_its_model_answers
     server = start_server(tmp_path / "served")
     lines = []
     registry = registered.Registry(server, tmp_path, tmp_path / "cache", [], None, 100, lines.append)
-    with pytest.raises(ArchiveProblem) as refused:
+    with pytest.raises(Refusal) as refused:
         registry.register("wrong.mar")
     assert (refused.value.status, refused.value.kind) == (500, "InternalServerException")
     # TorchServe's words to the client (its answer when workers fail to start); why, in the log

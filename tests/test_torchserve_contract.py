@@ -9,8 +9,10 @@ from google.protobuf import json_format
 
 from common.build_result import BuildResult, BuiltModel
 from common.modelconfig import read_config, to_text
-from server.torchserve.archives import ArchiveInfo, ArchiveProblem, build
-from server.torchserve.registry import Model, Registry
+from server.torchserve.archives import ArchiveInfo, build
+from server.torchserve.loading import write_config
+from server.torchserve.refusals import Refusal
+from server.torchserve.registry import Model
 from tritonclient.grpc import model_config_pb2 as mc
 
 
@@ -28,18 +30,18 @@ def _groups(path: Path) -> list[dict]:
 def test_registered_and_scaled_models_get_n_groups_of_one_of_the_built_kind_as_build_repo_writes(tmp_path: Path):
     source = _config(tmp_path / "built.pbtxt", "KIND_GPU", 1)
     target = tmp_path / "served.pbtxt"
-    Registry._write_config(source, target, 3)
+    write_config(source, target, 3)
     groups = _groups(target)
     assert [(g["kind"], g["count"]) for g in groups] == [("KIND_GPU", 1)] * 3
     assert sorted(g["rate_limiter"]["priority"] for g in groups) == [1, 2, 3]  # each its own signature
-    Registry._write_config(target, target, 1)  # scale down, in place
+    write_config(target, target, 1)  # scale down, in place
     assert [(g["kind"], g["count"]) for g in _groups(target)] == [("KIND_GPU", 1)]
 
 
 def test_a_decoder_built_with_more_instances_than_the_workers_is_clamped_to_groups_of_one(tmp_path: Path):
     source = _config(tmp_path / "built.pbtxt", "KIND_CPU", 4)
     target = tmp_path / "served.pbtxt"
-    Registry._write_config(source, target, None, at_most=2)
+    write_config(source, target, None, at_most=2)
     assert [(g["kind"], g["count"]) for g in _groups(target)] == [("KIND_CPU", 1)] * 2
 
 
@@ -63,7 +65,7 @@ def test_the_front_takes_build_repos_error_from_its_json_and_a_model_its_role_fr
     bogus.write_bytes(b"not a zip")
     info = ArchiveInfo(bogus, "bogus.mar", "bogus", "1.0", "", None, "0" * 64)
     logged = []
-    with pytest.raises(ArchiveProblem) as failed:
+    with pytest.raises(Refusal) as failed:
         build(info, "bogus", tmp_path / "cache", [], logged.append)
     assert str(failed.value).startswith("Failed to load model bogus: ") and "bogus.mar" in str(failed.value)
     assert not any(p.is_dir() for p in (tmp_path / "cache").iterdir())  # nothing left in the cache

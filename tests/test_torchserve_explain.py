@@ -24,7 +24,7 @@ from server.torchserve import explainers
 from server.torchserve.archives import ArchiveInfo
 from server.torchserve.explainers import Explainers
 from server.torchserve.inference import Inference
-from server.torchserve.registry import Model, Registry
+from server.torchserve.registry import Model
 from support import ROOT
 from test_torchserve_api import call
 
@@ -144,8 +144,8 @@ def test_an_explainer_that_fails_to_load_answers_503_and_leaves_the_rest_when_as
     logged: list[str] = []
     registry = type("FakeRegistry", (), {})()
     registry.server, registry.cache, registry.max_pixels = _Triton(tmp_path / "repo"), tmp_path / "cache", None
-    registry.log, registry._write_config = logged.append, Registry._write_config
-    registry._wait_unloaded = lambda members: None
+    registry.log = logged.append
+    monkeypatch.setattr(explainers, "wait_unloaded", lambda *args: None)
     registry.explainers = Explainers(registry)
     info = ArchiveInfo(tmp_path / "m.mar", "m.mar", "m", "1.0", "image_classifier", None, "0" * 64)
     model = Model("m", "1.0", info, "m", 1, 100, 1, 120, True, members=["m", "m_image"])

@@ -103,7 +103,7 @@ def test_max_pixels_is_read_and_written_into_every_served_config_when_given(tmp_
     """Issue 42 B9: both paths of the TorchServe front bound pixels with build-repo's 50 M; an operator whose clients
     send what TorchServe's handlers decode (up to PIL's 178,956,970) says so in config.properties."""
     from common.modelconfig import read_config, to_text
-    from server.torchserve.registry import Registry
+    from server.torchserve.loading import write_config
     from tritonclient.grpc import model_config_pb2 as mc
 
     config = tmp_path / "config.properties"
@@ -116,7 +116,7 @@ def test_max_pixels_is_read_and_written_into_every_served_config_when_given(tmp_
         settings(config)
     pbtxt = tmp_path / "config.pbtxt"
     pbtxt.write_text(to_text(mc.ModelConfig(name="m", backend="python", max_batch_size=8)))
-    Registry._write_config(pbtxt, pbtxt, None)
+    write_config(pbtxt, pbtxt, None)
     assert "max_pixels" not in read_config(pbtxt).parameters  # the model's own (build-repo's 50 M) stays
-    Registry._write_config(pbtxt, pbtxt, None, max_pixels=178_956_970)
+    write_config(pbtxt, pbtxt, None, max_pixels=178_956_970)
     assert read_config(pbtxt).parameters["max_pixels"].string_value == "178956970"

@@ -98,7 +98,8 @@ def test_a_download_that_is_no_archive_or_is_cut_off_never_enters_the_model_stor
     import http.server
     import threading
 
-    from server.torchserve.archives import ArchiveProblem, locate
+    from server.torchserve.archives import locate
+    from server.torchserve.refusals import Refusal
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -125,7 +126,7 @@ def test_a_download_that_is_no_archive_or_is_cut_off_never_enters_the_model_stor
     store.mkdir()
     try:
         for name in ("dup.mar", "cut.mar"):
-            with pytest.raises(ArchiveProblem) as refused:
+            with pytest.raises(Refusal) as refused:
                 locate(f"http://127.0.0.1:{httpd.server_port}/a/{name}", store, allowed_urls=(r"http://127\.0\.0\.1:.*",))
             assert refused.value.kind == "DownloadArchiveException", refused.value
             assert sorted(path.name for path in store.iterdir()) == []  # nothing kept, not even a partial file
@@ -141,7 +142,8 @@ def test_a_download_is_never_reused_or_replaced_by_its_file_name_when_another_ho
     import http.server
     import threading
 
-    from server.torchserve.archives import ArchiveProblem, locate
+    from server.torchserve.archives import locate
+    from server.torchserve.refusals import Refusal
 
     hosts = []
     for label in ("a", "b"):
@@ -160,7 +162,7 @@ def test_a_download_is_never_reused_or_replaced_by_its_file_name_when_another_ho
         first = locate(f"http://127.0.0.1:{hosts[0].server_port}/dup.mar", store, allowed_urls=allowed)
         assert first == store / "dup.mar" and first.read_bytes() == (tmp_path / "a" / "dup.mar").read_bytes()
         for host in hosts:
-            with pytest.raises(ArchiveProblem) as refused:
+            with pytest.raises(Refusal) as refused:
                 locate(f"http://127.0.0.1:{host.server_port}/dup.mar", store, allowed_urls=allowed)
             assert (refused.value.status, refused.value.kind, str(refused.value)) == (
                 500, "InternalServerException", "Model file already exists dup.mar")
@@ -175,7 +177,8 @@ def test_a_registration_url_stays_in_the_store_and_allowed_urls_and_off_this_mac
     """Issue 42 B8, with TorchServe 0.12's rules (checked against it in tests/test_torchserve_api.py): a path is a
     file in the model store (`..` refused, an absolute path outside it not found), a URL must match allowed_urls, and an http(s)
     URL to this machine (loopback, link-local, unspecified) is refused unless allowed_urls was configured."""
-    from server.torchserve.archives import ArchiveProblem, locate
+    from server.torchserve.archives import locate
+    from server.torchserve.refusals import Refusal
 
     store = tmp_path / "store"
     (store / "sub").mkdir(parents=True)
@@ -201,10 +204,10 @@ def test_a_registration_url_stays_in_the_store_and_allowed_urls_and_off_this_mac
         "ftp://example.com/x.mar": "Model not found at: ftp://example.com/x.mar",
     }
     for url, message in refused.items():
-        with pytest.raises(ArchiveProblem) as problem:
+        with pytest.raises(Refusal) as problem:
             locate(url, store)
         assert (problem.value.status, str(problem.value), problem.value.kind) == (404, message, "ModelNotFoundException")
-    with pytest.raises(ArchiveProblem, match="does not match any allowed URL"):  # configured: only what it names
+    with pytest.raises(Refusal, match="does not match any allowed URL"):  # configured: only what it names
         locate(f"file://{tmp_path}/outside.mar", store, allowed_urls=(r"https://models\.example\.com/.*",))
 
 

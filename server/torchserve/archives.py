@@ -23,19 +23,12 @@ from common.archive import (MANIFEST, ArchiveError, ModelSettings, config_name, 
                             read_manifest)
 from common.build_result import BuildResult
 from common.messages import first_line
+from server.torchserve.refusals import Refusal
 
 BUILD_RESULT = "build.json"  # build-repo --json's result, kept in its build in the cache
 MAX_DOWNLOAD_BYTES = 4 << 30  # an http(s) url is fetched into the store up to this much
 DOWNLOAD_DEADLINE_S = 600  # and within this (a byte per minute would hold a thread for ever)
 MAX_CONFIG_BYTES = 1 << 20  # a model-config.yaml larger than this is not read for its minWorkers
-
-
-class ArchiveProblem(ValueError):
-    """The url names no usable archive (TorchServe: 400/404); the message is one line."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "InvalidModelException", reason: str = ""):
-        super().__init__(message)
-        self.status, self.kind, self.reason = status, kind, reason  # reason: for the log, never the client
 
 
 @dataclass(frozen=True)
@@ -67,7 +60,7 @@ def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
     machine's own services, Triton's private ports among them). Refusals say nothing of what exists there. Not
     `fetch`: an http(s) URL's refusals only (a registration answered before its download): None where admitted."""
     if ".." in url:
-        raise ArchiveProblem(f"Relative path is not allowed in url: {url}", 404, "ModelNotFoundException")
+        raise Refusal(f"Relative path is not allowed in url: {url}", "ModelNotFoundException")
     patterns = allowed_urls or DEFAULT_ALLOWED_URLS
     if "://" in url and not re.match(r"(?i)(file?|https?)://", url) and \
             not any(re.fullmatch(pattern, url) for pattern in patterns):
@@ -77,7 +70,7 @@ def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
         parts = urlsplit(url)
         if not any(re.fullmatch(pattern, url) for pattern in patterns) or parts.scheme not in ("file", "http", "https") \
                 or (parts.scheme != "file" and allowed_urls is None and _own_machine(parts.hostname)):
-            raise ArchiveProblem(f"Given URL {url} does not match any allowed URL(s)", 404, "ModelNotFoundException")
+            raise Refusal(f"Given URL {url} does not match any allowed URL(s)", "ModelNotFoundException")
         if parts.scheme != "file" and not fetch:
             if (target := downloaded(url, store)).exists():  # TorchServe's refusal, before any download
                 raise _exists(target)
@@ -88,9 +81,9 @@ def locate(url: str, store: Path, max_bytes: int = MAX_DOWNLOAD_BYTES,
     else:  # a path: the store's (an absolute one only where it lies in the store, links followed)
         path = store / url
         if not path.resolve().is_relative_to(store.resolve()):
-            raise ArchiveProblem(f"Model not found at: {url}", 404, "ModelNotFoundException")
+            raise Refusal(f"Model not found at: {url}", "ModelNotFoundException")
     if not path.is_file():
-        raise ArchiveProblem(f"Model not found at: {url}", 404, "ModelNotFoundException")
+        raise Refusal(f"Model not found at: {url}", "ModelNotFoundException")
     return path
 
 
@@ -137,7 +130,7 @@ def adopted(path: Path, url: str, store: Path) -> Path:
         except FileExistsError:
             raise _exists(target) from None
     except OSError as exc:
-        raise ArchiveProblem(f"Model not found at: {url}", 404, "ModelNotFoundException", reason=first_line(exc)) \
+        raise Refusal(f"Model not found at: {url}", "ModelNotFoundException", reason=first_line(exc)) \
             from None
     finally:
         Path(partial).unlink(missing_ok=True)
@@ -152,8 +145,8 @@ def copied(url: str, path: Path, store: Path) -> bool:
     return path == downloaded(url, store)
 
 
-def _exists(target: Path) -> ArchiveProblem:
-    return ArchiveProblem(f"Model file already exists {target.name}", 500, "InternalServerException")
+def _exists(target: Path) -> Refusal:
+    return Refusal(f"Model file already exists {target.name}", "InternalServerException")
 
 
 def _download(url: str, store: Path, max_bytes: int) -> Path:
@@ -169,28 +162,28 @@ def _download(url: str, store: Path, max_bytes: int) -> Path:
             # cut short of its Content-Length is caught below, or raises IncompleteRead)
             while chunk := reply.read1(1 << 20):
                 if time.monotonic() > deadline:
-                    raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
-                                         reason=f"not done within {DOWNLOAD_DEADLINE_S} s")
+                    raise Refusal(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                                  reason=f"not done within {DOWNLOAD_DEADLINE_S} s")
                 total += len(chunk)
                 if total > max_bytes:
-                    raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
-                                         reason=f"over {max_bytes:,} bytes")
+                    raise Refusal(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                                  reason=f"over {max_bytes:,} bytes")
                 sink.write(chunk)
             declared = reply.headers.get("Content-Length")
         # Only a whole archive enters the store (a later registration of the same file name would be served it).
         if declared and declared.isdigit() and int(declared) != total or not zipfile.is_zipfile(partial):
-            raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
-                                 reason="not a model archive, or cut off")
+            raise Refusal(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                          reason="not a model archive, or cut off")
         try:
             os.link(partial, target)  # not os.replace: a registration that took this name meanwhile keeps its file
         except FileExistsError:
             raise _exists(target) from None
-    except ArchiveProblem:
+    except Refusal:
         raise
     except (OSError, ValueError, http.client.HTTPException) as exc:
         # TorchServe's message, without the reason (it would tell open ports from closed ones); the log has it.
-        raise ArchiveProblem(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
-                             reason=first_line(exc)) from None
+        raise Refusal(f"Failed to download archive from: {url}", kind="DownloadArchiveException",
+                      reason=first_line(exc)) from None
     finally:
         partial.unlink(missing_ok=True)
     return target
@@ -215,9 +208,9 @@ def inspect(path: Path, url: str) -> ArchiveInfo:
             small = config in names and archive.getinfo(config).file_size <= MAX_CONFIG_BYTES
             settings = model_settings(archive.read(config), strict=False) if small else ModelSettings()
     except (zipfile.BadZipFile, ArchiveError, KeyError, UnicodeDecodeError, OSError, AttributeError):
-        raise ArchiveProblem(f"Model name is not defined: {url} is not a model archive (.mar)") from None
+        raise Refusal(f"Model name is not defined: {url} is not a model archive (.mar)") from None
     if not isinstance(model, dict) or not model.get("modelName"):
-        raise ArchiveProblem("Model name is not defined.")
+        raise Refusal("Model name is not defined.")
     return ArchiveInfo(path, url, str(model["modelName"]), str(model.get("modelVersion") or "1.0"),
                        str(model.get("handler") or ""), labels, digest.hexdigest(),
                        _archive_workers(settings), _positive(settings.batch_size), _positive(settings.max_batch_delay))
@@ -273,7 +266,7 @@ def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], 
         result = BuildResult(error=f"build-repo failed (exit status {done.returncode})", status=done.returncode or 1)
     if done.returncode != 0 or result.error is not None:
         shutil.rmtree(staging, ignore_errors=True)
-        raise ArchiveProblem(f"Failed to load model {info.name}: {result.error}", 500, "InternalServerException")
+        raise Refusal(f"Failed to load model {info.name}: {result.error}", "InternalServerException")
     shutil.rmtree(built, ignore_errors=True)
     os.replace(staging / "repo", built)
     shutil.rmtree(staging, ignore_errors=True)

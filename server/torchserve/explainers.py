@@ -17,7 +17,9 @@ import shutil
 import time
 
 from server.errors import ServerError
-from server.torchserve.archives import ArchiveProblem, build_registered, link
+from server.torchserve.archives import build_registered, link
+from server.torchserve.loading import wait_unloaded, write_config
+from server.torchserve.refusals import Refusal
 
 # Explanations are rare and slow: IntegratedGradients runs n_steps forwards and backwards per image, all at once. One
 # instance, one explanation per handle(): its memory is one image's n_steps (TorchServe's batch would hold a batch's,
@@ -25,21 +27,18 @@ from server.torchserve.archives import ArchiveProblem, build_registered, link
 EXPLAINER_INSTANCES = 1
 
 
-class Unavailable(RuntimeError):
-    """The explainer could not be built or loaded (the reason, for the log; the client gets TorchServe's 503)."""
-
-
 class Explainers:
     """Each registered model's explainer, loaded once on demand (`entry`), unloaded with the model (`unload`)."""
 
     def __init__(self, registry):
-        self.registry = registry  # its server, cache, log, max_pixels and _write_config / _wait_unloaded
+        self.registry = registry  # its server, cache, log and max_pixels
         self._loading: dict[int, asyncio.Future] = {}  # id(model) -> its load in flight (the front's event loop)
 
     async def entry(self, model) -> str:
         """The Triton model that answers `model`'s explanations, loaded now where it is not: once, in one thread,
         whatever the number of explanations waiting for it (the front's loop answers the rest meanwhile).
-        Unavailable where it cannot be; the next explanation tries again."""
+        A Refusal where it cannot be (the reason, for the log: the client gets TorchServe's 503); the next
+        explanation tries again."""
         if model.explainer is not None:
             return model.explainer
         key = id(model)
@@ -51,14 +50,14 @@ class Explainers:
         return await asyncio.shield(loading)  # a client gone does not cancel the load others wait for
 
     def load(self, model) -> str:
-        """Build (cached by the archive's checksum, as every build) and load `model`'s explainer; Unavailable where
+        """Build (cached by the archive's checksum, as every build) and load `model`'s explainer; a Refusal where
         it cannot, nothing else changed (its folder removed, Triton's other models as they were)."""
         registry, server = self.registry, self.registry.server
         with model.explainer_lock:  # unload() waits for a load in flight: none is left loaded behind it
             if model.explainer is not None:
                 return model.explainer
             if not model.members:  # scaled to 0 or unregistered while this explanation waited
-                raise Unavailable("the model is no longer served")
+                raise Refusal("the model is no longer served", "InternalServerException")
             name, began = model.explainer_name, time.monotonic()
             options = ["--trust-model-code", "--handler-path", "--engine", "torch", "--max-batch-size", "1",
                        "--max-batch-delay-ms", "0"]
@@ -67,15 +66,15 @@ class Explainers:
                 built = build_registered(model.info, model.handler_override, name, registry.cache, options,
                                          registry.log)[0]
                 target = link(built, name, server.repository)
-                registry._write_config(built / name / "config.pbtxt", target / "config.pbtxt", EXPLAINER_INSTANCES,
-                                       at_most=EXPLAINER_INSTANCES, max_pixels=registry.max_pixels)
+                write_config(built / name / "config.pbtxt", target / "config.pbtxt", EXPLAINER_INSTANCES,
+                             at_most=EXPLAINER_INSTANCES, max_pixels=registry.max_pixels)
                 loading = True
                 server.load(name)
-            except (ArchiveProblem, ServerError, OSError, ValueError) as exc:
+            except (Refusal, ServerError, OSError, ValueError) as exc:
                 self._remove(name, loading)
-                raise Unavailable(f"{name}: {exc}") from None
+                raise Refusal(f"{name}: {exc}", "InternalServerException") from None
             server.loaded_anew(name)
-            server.loaded = [*server.loaded, name]  # the supervisor replaces its dead stubs too
+            server.watch([name])  # the supervisor replaces its dead stubs too
             model.explainer, model.explainer_built = name, built
             registry.log(f"{model.name} {model.version}: explanations answered by {name} (TorchServe's handler "
                          f"{model.info.handler!r}, eager PyTorch), loaded on the first one in "
@@ -89,7 +88,7 @@ class Explainers:
             if name is None:
                 return
             server = self.registry.server
-            server.loaded = [m for m in server.loaded if m != name]
+            server.watch([name], False)
             self._remove(name)
 
     def _remove(self, name: str, loaded: bool = True) -> None:
@@ -100,5 +99,5 @@ class Explainers:
                 server.unload(name)
             except ServerError as exc:
                 self.registry.log(f"unloading {name}: {exc}")
-            self.registry._wait_unloaded([name])
+            wait_unloaded(server, [name], self.registry.log)
         shutil.rmtree(server.repository / name, ignore_errors=True)

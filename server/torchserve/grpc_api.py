@@ -1,5 +1,5 @@
-"""TorchServe's gRPC APIs (its own inference.proto and management.proto, in proto/) served by the REST front's own
-calls: the same prediction path and registry, answered with TorchServe 0.12's gRPC status codes and messages."""
+"""TorchServe's gRPC APIs (its own inference.proto and management.proto, in proto/) over the operations REST serves
+(operations.py, predictions.py), answered with TorchServe 0.12's gRPC status codes and messages."""
 from __future__ import annotations
 
 import json
@@ -9,65 +9,35 @@ from google.protobuf import any_pb2, empty_pb2
 from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 
-from server.torchserve.inference import Inference, no_worker
-from server.torchserve.management import Management
+from server.torchserve.operations import Operations, Status
+from server.torchserve.predictions import Predictions, no_worker
 from server.torchserve.proto import inference_pb2, management_pb2
-from server.torchserve.registry import NotFound
+from server.torchserve.refusals import KINDS, TOKEN_FAILED, Refusal, code_of
 from server.torchserve.replies import Tokens, dumps
 
 INFERENCE = "org.pytorch.serve.grpc.inference.InferenceAPIsService"
 MANAGEMENT = "org.pytorch.serve.grpc.management.ManagementAPIsService"
-TOKEN_FAILED = "Token Authorization failed. Token either incorrect, expired, or not provided correctly"
 RECEIVE_BYTES = 64 << 20  # read this much of an over-size message to answer it as TorchServe does, no more
-INTERNAL_SERVER = "org.pytorch.serve.http.InternalServerException"
 RESET = "Stream removed (RST_STREAM (Received RST_STREAM with error code 8))"
-# StreamPredictions of a handler that does not stream: TorchServe's GRPCJob reads the answer's ts_stream_next header,
-# which such a handler never sets (a NullPointerException): its worker is restarted and the stream ends so
-WORKER_DIED = "Worker died.\n" + INTERNAL_SERVER
-NO_DESCRIBE_WORKER = "InternalServerException.()\n" + INTERNAL_SERVER  # its message lost: sendException's
-# TorchServe's description of an error is "MESSAGE\nCLASS", its exception's Java class (grpc-java's augmentDescription)
-CLASSES = {"ModelNotFoundException": "org.pytorch.serve.archive.model.ModelNotFoundException",
-           "ModelVersionNotFoundException": "org.pytorch.serve.archive.model.ModelVersionNotFoundException",
-           "InvalidModelException": "org.pytorch.serve.archive.model.InvalidModelException",
-           "DownloadArchiveException": "org.pytorch.serve.archive.DownloadArchiveException",
-           "BadRequestException": "org.pytorch.serve.http.BadRequestException",
-           "ConflictStatusException": "org.pytorch.serve.http.ConflictStatusException",
-           "InvalidModelVersionException": "org.pytorch.serve.http.InvalidModelVersionException",
-           "ServiceUnavailableException": "org.pytorch.serve.http.ServiceUnavailableException",
-           "InternalServerException": INTERNAL_SERVER}
-# GRPCUtils.getGRPCStatusCode: TorchServe's HTTP status of an answer as a gRPC code
-CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-         403: grpc.StatusCode.PERMISSION_DENIED, 404: grpc.StatusCode.NOT_FOUND, 409: grpc.StatusCode.ABORTED,
-         413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-         416: grpc.StatusCode.OUT_OF_RANGE, 499: grpc.StatusCode.CANCELLED, 504: grpc.StatusCode.DEADLINE_EXCEEDED,
-         501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE}
-# Exceptions ManagementImpl does not catch (IllegalArgumentExceptions): grpc-java answers them UNKNOWN, no message
-UNCAUGHT = {"ConflictStatusException", "InvalidModelVersionException"}
 
 
-def code_of(status: int) -> grpc.StatusCode:
-    if status in CODES:
-        return CODES[status]
-    if 400 <= status < 500:
-        return grpc.StatusCode.FAILED_PRECONDITION
-    return grpc.StatusCode.INTERNAL if 500 <= status < 600 else grpc.StatusCode.UNKNOWN
+def _inference_impl(exc: Refusal, described: str | None = None) -> Refusal:
+    """`exc` as TorchServe's InferenceImpl answers what it catches itself: INTERNAL, the message, then `described`
+    (else the exception's Java class), not the code its management API gives."""
+    return Refusal(exc.message, exc.kind, exc.status,
+                   grpc=("INTERNAL", f"{exc.message}\n{described or KINDS[exc.kind].java}"))
 
 
-class Refused(Exception):
-    """A call's gRPC error: its code and description."""
+def _worker(exc: Refusal) -> Refusal:
+    """A worker's answer as TorchServe's GRPCJob relays it: the gRPC code of its HTTP status, its message,
+    InternalServerException's class whatever the kind."""
+    return Refusal(exc.message, exc.kind, exc.status,
+                   grpc=(code_of(exc.status), f"{exc.message}\n{KINDS['InternalServerException'].java}"))
 
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code, self.details = code, details
 
-
-def _refusal(response) -> Refused:
-    """A REST answer's error (TorchServe's JSON body) as the gRPC error TorchServe's management gives for it."""
-    body = json.loads(response.body)
-    kind = body.get("type", "InternalServerException")
-    if kind in UNCAUGHT:
-        return Refused(grpc.StatusCode.UNKNOWN, "")
-    return Refused(code_of(response.status_code), f"{body.get('message', '')}\n{CLASSES.get(kind, INTERNAL_SERVER)}")
+def _abort(context, exc: Refusal):
+    code, details = exc.grpc()
+    return context.abort(grpc.StatusCode[code], details)
 
 
 class Service:
@@ -80,16 +50,16 @@ class Service:
         headers = {key.encode(): value.encode() for key, value in context.invocation_metadata() or ()
                    if key == "authorization" and isinstance(value, str)}
         if not self.tokens.allowed(headers, self.api):
-            raise Refused(grpc.StatusCode.PERMISSION_DENIED, TOKEN_FAILED)
+            raise Refusal(TOKEN_FAILED, "InvalidKeyException")
 
     def _parsed(self, request: bytes, kind):
         if len(request) > self.max_request_size:
             # grpc-java (maxInboundMessageSize) resets the stream: what a Python client of TorchServe then reads
-            raise Refused(grpc.StatusCode.CANCELLED, RESET)
+            raise Refusal(RESET, "StreamReset")
         try:
             return kind.FromString(request)
         except DecodeError:  # grpc-java's parse failure reaches the client as UNKNOWN, no message
-            raise Refused(grpc.StatusCode.UNKNOWN, "") from None
+            raise Refusal("", "InvalidProtocolBufferException") from None
 
     def _checked(self, request: bytes, context, kind):
         self._allowed(context)
@@ -99,8 +69,8 @@ class Service:
         async def handle(request: bytes, context) -> bytes:
             try:
                 return (await call(self._checked(request, context, kind))).SerializeToString()
-            except Refused as exc:
-                await context.abort(exc.code, exc.details)
+            except Refusal as exc:
+                await _abort(context, exc)
         return grpc.unary_unary_rpc_method_handler(handle)
 
     def streamed(self, call, kind):
@@ -109,8 +79,8 @@ class Service:
             try:
                 async for answer in call(self._checked(request, context, kind)):
                     yield answer.SerializeToString()
-            except Refused as exc:
-                await context.abort(exc.code, exc.details)
+            except Refusal as exc:
+                await _abort(context, exc)
         return grpc.unary_stream_rpc_method_handler(handle)
 
     def bidi(self, call, kind):
@@ -124,62 +94,69 @@ class Service:
                     if answer is not None:
                         yield answer.SerializeToString()
                     if ended:
-                        raise Refused(grpc.StatusCode.UNKNOWN, "")
-            except Refused as exc:
-                await context.abort(exc.code, exc.details)
+                        raise Refusal("", "NullPointerException")
+            except Refusal as exc:
+                await _abort(context, exc)
         return grpc.stream_stream_rpc_method_handler(handle)
 
 
-def _status(code: grpc.StatusCode, details: str) -> inference_pb2.PredictionResponse:
+def _status(refusal: Refusal) -> inference_pb2.PredictionResponse:
     """StreamPredictions2's error, an answer of the stream: TorchServe's google.rpc.Status, its exception (or the
     description it gives) as an ErrorInfo's reason."""
+    code, details = refusal.grpc()
     message, _, reason = details.rpartition("\n")
     packed = any_pb2.Any()
     packed.Pack(error_details_pb2.ErrorInfo(reason=reason))
-    return inference_pb2.PredictionResponse(status=status_pb2.Status(code=code.value[0], message=message,
-                                                                     details=[packed]))
+    return inference_pb2.PredictionResponse(status=status_pb2.Status(code=grpc.StatusCode[code].value[0],
+                                                                     message=message, details=[packed]))
 
 
-def inference_service(inference: Inference, tokens: Tokens, max_request_size: int):
+def inference_service(predictions: Predictions, tokens: Tokens, max_request_size: int):
     """InferenceAPIsService: Ping, Predictions, StreamPredictions (one answer: no handler here streams),
     StreamPredictions2 (as TorchServe 0.12 answers it for a model without sequences)."""
     service = Service(INFERENCE, "inference", tokens, max_request_size)
 
     async def ping(request) -> inference_pb2.TorchServeHealthResponse:
         # TorchServe answers OK either way, the health in the JSON
-        healthy = await inference.healthy()
+        healthy = await predictions.healthy()
         return inference_pb2.TorchServeHealthResponse(health=dumps({"status": "Healthy" if healthy else "Unhealthy"}))
+
+    def required(parameter: str) -> Refusal:
+        return _inference_impl(Refusal(f"Parameter {parameter} is required.", "BadRequestException"),
+                               "BadRequestException.()")
+
+    def found(request):
+        """The request's model; a lookup's refusal is InferenceImpl's (INTERNAL, not NOT_FOUND)."""
+        try:
+            return predictions.registry.find(request.model_name, request.model_version or None)
+        except Refusal as exc:
+            raise _inference_impl(exc) from None
 
     async def predicted(request) -> bytes:
         if not request.model_name:
-            raise Refused(grpc.StatusCode.INTERNAL, "Parameter model_name is required.\nBadRequestException.()")
-        try:
-            model = inference.registry.find(request.model_name, request.model_version or None)
-        except NotFound as exc:  # INTERNAL, not NOT_FOUND: TorchServe's InferenceImpl
-            raise Refused(grpc.StatusCode.INTERNAL, f"{exc}\n{CLASSES[exc.kind]}") from None
+            raise required("model_name")
+        model = found(request)
         inputs = dict(request.input)
         # the image path: the entry TorchServe's image_classifier reads (data, else body); a handler gets them all
         payload = inputs.get("data") or inputs.get("body") or b""
-        model.pending += 1
         try:
-            response = await inference.prediction(model, payload, {}, entries=inputs,
-                                                  version=request.model_version or None)
-        finally:
-            model.pending -= 1
-        if response.status_code == 200:
-            return bytes(response.body)
-        message = json.loads(response.body).get("message", "")
-        if "has no worker to serve inference request" in message:  # its job queue refused it
-            raise Refused(grpc.StatusCode.INTERNAL, f"{message}\nInternalServerException.()")
-        raise Refused(code_of(response.status_code), f"{message}\n{INTERNAL_SERVER}")
+            answer = await predictions.predict(model, payload, {}, entries=inputs,
+                                               version=request.model_version or None)
+        except Refusal as exc:
+            if exc.kind == "ServiceUnavailableException":  # its job queue refused it
+                raise _inference_impl(exc, "InternalServerException.()") from None
+            raise _worker(exc) from None
+        return answer.body
 
-    async def predictions(request) -> inference_pb2.PredictionResponse:
+    async def answered(request) -> inference_pb2.PredictionResponse:
         return inference_pb2.PredictionResponse(prediction=await predicted(request))
 
     async def streamed(request):
-        """TorchServe 0.12's StreamPredictions of a handler that does not stream: the answer, then WORKER_DIED."""
+        """TorchServe 0.12's StreamPredictions of a handler that does not stream: the answer, then the worker's
+        NullPointerException (its ts_stream_next header, which such a handler never sets): the worker restarted,
+        the stream ended so."""
         yield inference_pb2.PredictionResponse(prediction=await predicted(request))
-        raise Refused(grpc.StatusCode.INTERNAL, WORKER_DIED)
+        raise Refusal("Worker died.", "InternalServerException")
 
     async def sequenced(request) -> tuple[inference_pb2.PredictionResponse | None, bool]:
         """StreamPredictions2, one request, as TorchServe 0.12 answers it for a model that keeps no sequences (none
@@ -188,22 +165,22 @@ def inference_service(inference: Inference, tokens: Tokens, max_request_size: in
         looks the model's sequence up, which fails but for an unknown version: the stream ends, after the error
         if there was one; a request it queued is answered to no one (so it is not predicted here)."""
         if not request.sequence_id:
-            return _status(grpc.StatusCode.INTERNAL, "Parameter sequenceId is required.\nBadRequestException.()"), False
+            return _status(required("sequenceId")), False
         if not request.model_name:
-            return _status(grpc.StatusCode.INTERNAL, "Parameter model_name is required.\nBadRequestException.()"), True
+            return _status(required("model_name")), True
         try:
-            model = inference.registry.find(request.model_name, request.model_version or None)
-        except NotFound as exc:
+            model = found(request)
+        except Refusal as exc:
             known = exc.kind == "ModelVersionNotFoundException"  # TorchServe's getJobGroup catches it: the stream goes on
-            return _status(grpc.StatusCode.INTERNAL, f"{exc}\n{CLASSES[exc.kind]}"), not known
+            return _status(exc), not known
         if not model.workers or not model.members:
-            refusal = no_worker(model.name, request.model_version or None)
-            return _status(grpc.StatusCode.INTERNAL, f"{refusal}\nInternalServerException.()"), True
+            refusal = Refusal(no_worker(model.name, request.model_version or None), "ServiceUnavailableException")
+            return _status(_inference_impl(refusal, "InternalServerException.()")), True
         return None, True
 
     return grpc.method_handlers_generic_handler(INFERENCE, {
         "Ping": service.unary(ping, empty_pb2.Empty),
-        "Predictions": service.unary(predictions, inference_pb2.PredictionsRequest),
+        "Predictions": service.unary(answered, inference_pb2.PredictionsRequest),
         "StreamPredictions": service.streamed(streamed, inference_pb2.PredictionsRequest),
         "StreamPredictions2": service.bidi(sequenced, inference_pb2.PredictionsRequest)})
 
@@ -213,23 +190,19 @@ def _positive(value: int, key: str) -> dict:
     return {key: [str(value)]} if value > 0 else {}
 
 
-def management_service(management: Management, inference: Inference, tokens: Tokens, max_request_size: int):
-    """ManagementAPIsService: the REST management calls, each with the parameters TorchServe derives from the
-    message; the answer's status (or its JSON) as msg. DescribeModel's customized metadata: the handler's
-    describe_handle (through `inference`)."""
+def management_service(operations: Operations, predictions: Predictions, tokens: Tokens, max_request_size: int):
+    """ManagementAPIsService: the management operations, each with the parameters TorchServe derives from the
+    message; a change's status (or the JSON described) as msg. DescribeModel's customized metadata: the handler's
+    describe_handle (through `predictions`)."""
     service = Service(MANAGEMENT, "management", tokens, max_request_size)
 
-    async def answered(handler, params: dict, path: dict, whole: bool = False) -> management_pb2.ManagementResponse:
-        response = await management.call(handler, params, path)
-        if not 200 <= response.status_code < 300:
-            raise _refusal(response)
-        text = bytes(response.body).decode()
-        return management_pb2.ManagementResponse(msg=text.rstrip("\n") if whole else json.loads(text)["status"])
+    async def answered(operation, params: dict, path: dict) -> management_pb2.ManagementResponse:
+        result = await operations.call(operation, params, path)
+        return management_pb2.ManagementResponse(msg=result.message if isinstance(result, Status) else dumps(result))
 
     def model_api() -> None:
-        if not management.enable_model_api:
-            raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                          "Model API disabled\norg.pytorch.serve.archive.model.ModelException")
+        if not operations.enable_model_api:
+            raise Refusal("Model API disabled", "ModelException")
 
     async def register(request):
         model_api()
@@ -241,33 +214,32 @@ def management_service(management: Management, inference: Inference, tokens: Tok
         params["synchronous"] = ["true" if request.synchronous else "false"]
         if request.s3_sse_kms:
             params["s3_sse_kms"] = ["true"]
-        return await answered(management.register, params, {})
+        return await answered(operations.register, params, {})
 
     async def scale(request):
         low = request.min_worker if request.min_worker > 0 else 1
         high = request.max_worker if request.max_worker > 0 else low
         if not request.model_name and high >= low:  # TorchServe looks a null name up: a NullPointerException
-            raise Refused(grpc.StatusCode.UNKNOWN, "")
+            raise Refusal("", "NullPointerException")
         params = {"min_worker": [str(low)], "max_worker": [str(high)],
                   "synchronous": ["true" if request.synchronous else "false"]}
-        return await answered(management.scale, params, _path(request))
+        return await answered(operations.scale, params, _path(request))
 
     async def describe(request):
         if not request.customized or request.model_version == "all":
-            return await answered(management.describe, {}, _path(request), whole=True)
+            return await answered(operations.describe, {}, _path(request))
         # TorchServe asks a worker (a job, as a prediction's): its errors are InferenceImpl's, INTERNAL
         try:
-            model = inference.registry.find(request.model_name, request.model_version or None)
-        except NotFound as exc:
-            raise Refused(grpc.StatusCode.INTERNAL, f"{exc}\n{CLASSES[exc.kind]}") from None
-        if not model.workers:
-            raise Refused(grpc.StatusCode.INTERNAL, NO_DESCRIBE_WORKER)
-        answer = await inference.described(model)
-        if answer.status_code != 200:
-            message = json.loads(answer.body).get("message", "")
-            raise Refused(code_of(answer.status_code), f"{message}\n{INTERNAL_SERVER}")
-        described = await answered(management.describe, {}, _path(request), whole=True)
-        models = json.loads(described.msg)
+            model = predictions.registry.find(request.model_name, request.model_version or None)
+        except Refusal as exc:
+            raise _inference_impl(exc) from None
+        if not model.workers:  # its message lost: sendException's
+            raise Refusal("InternalServerException.()", "InternalServerException")
+        try:
+            answer = await predictions.described(model)
+        except Refusal as exc:
+            raise _worker(exc) from None
+        models = await operations.call(operations.describe, {}, _path(request))
         if answer.body and len(models) == 1:  # as TorchServe reads it into a JsonObject: anything else (null too) {}
             try:
                 metadata = json.loads(answer.body)
@@ -277,19 +249,18 @@ def management_service(management: Management, inference: Inference, tokens: Tok
         return management_pb2.ManagementResponse(msg=dumps(models))
 
     async def listed(request):
-        return await answered(management.list, {"limit": [str(request.limit)],
-                                                "next_page_token": [str(request.next_page_token)]}, {}, whole=True)
+        return await answered(operations.list, {"limit": [str(request.limit)],
+                                                "next_page_token": [str(request.next_page_token)]}, {})
 
     async def set_default(request):
-        return await answered(management.set_default, {}, {"model_name": request.model_name,
+        return await answered(operations.set_default, {}, {"model_name": request.model_name,
                                                            "model_version": request.model_version})
 
     async def unregister(request):
         model_api()
         if not request.model_name:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                          "Parameter url is required.\norg.pytorch.serve.http.BadRequestException")
-        await answered(management.unregister, {}, _path(request))
+            raise Refusal("Parameter url is required.", "BadRequestException")
+        await answered(operations.unregister, {}, _path(request))
         return management_pb2.ManagementResponse(msg=f'Model "{request.model_name}" unregistered')
 
     return grpc.method_handlers_generic_handler(MANAGEMENT, {

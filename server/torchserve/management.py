@@ -1,36 +1,19 @@
-"""TorchServe's management API on Triton: register (build-repo --from-mar, cached), list, describe, scale (a live
-reload of the instance count), unregister and set-default, with TorchServe's parameters, answers and errors."""
+"""TorchServe's management API over REST: /models and its paths, each call the management operation's
+(operations.py), answered with TorchServe's JSON, its statuses and its errors."""
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
-import re
-from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from server.errors import ServerError
 from server.torchserve import openapi
-from server.torchserve.archives import ArchiveProblem
-from server.torchserve.registry import Conflict, Model, NotFound, Registry
-from server.torchserve.replies import HANDLERS, error, reply
-
-CHANGE_THREADS = 8  # management changes at once (the registry builds one at a time; downloads run side by side)
-
-
-class BadParameter(ValueError):
-    pass
-
-
-INT = re.compile(r"[+-]?[0-9]+")
-RUNTIMES = ("python", "python3", "LSP")  # TorchServe 0.12's Manifest.RuntimeType
-
-
-Params = dict[str, list[str]]
+from server.torchserve.operations import Operations, Params, Status, bad
+from server.torchserve.refusals import Refusal
+from server.torchserve.registry import Registry
+from server.torchserve.replies import HANDLERS, refused, reply
 
 
 async def _params(request: Request, body: bool = False) -> Params:
@@ -40,9 +23,9 @@ async def _params(request: Request, body: bool = False) -> Params:
         try:
             body = json.loads(await request.body() or b"{}")
         except ValueError:
-            raise BadParameter("Invalid JSON body") from None
+            raise bad("Invalid JSON body") from None
         if not isinstance(body, dict):
-            raise BadParameter("Invalid JSON body")
+            raise bad("Invalid JSON body")
         return {key: [json.dumps(value) if isinstance(value, bool) else str(value)] for key, value in body.items()
                 if value is not None}
     params: Params = {}
@@ -51,261 +34,59 @@ async def _params(request: Request, body: bool = False) -> Params:
     return params
 
 
-def _param(params: Params, key: str) -> str | None:
-    """The first of a repeated parameter, as TorchServe's NettyUtils.getParameter takes it."""
-    values = params.get(key)
-    return values[0] if values else None
-
-
-def _int(params: Params, key: str, default: int | None = None, log=None) -> int | None:
-    """TorchServe's getIntParameter: a Java int, else (absent, empty, not an integer, past 32 bits) the default;
-    a value so ignored is named in the log."""
-    value = _param(params, key)
-    if value is None:
-        return default
-    if INT.fullmatch(value) and -2**31 <= int(value) < 2**31:
-        return int(value)
-    if log is not None:
-        log(f"serve-repo: {key}={value[:80]!r} is not an integer: ignored, as TorchServe ignores it")
-    return default
-
-
-def _bool(params: Params, key: str, default: bool, log=None) -> bool:
-    """Java's Boolean.parseBoolean: "true" in any case is true, anything else false (named in the log)."""
-    value = _param(params, key)
-    if value is None:
-        return default
-    if value.lower() not in ("true", "false") and log is not None:
-        log(f"serve-repo: {key}={value[:80]!r} is not a boolean; taken as false, as TorchServe does")
-    return value.lower() == "true"
-
-
-def _least(key: str, number: int | None, least: int) -> int | None:
-    if number is not None and number < least:
-        raise BadParameter(f"Invalid {key}: {number} must be >= {least}")
-    return number
-
-
-def _bounded(key: str, number: int | None, most: int) -> int | None:
-    """A worker count asked for: refused (400) above max_workers_per_model, never clamped in silence."""
-    if number is not None and number > most:
-        raise BadParameter(f"Invalid {key}: {number} is over max_workers_per_model={most}")
-    return number
-
-
 class Management:
+    """The REST adapter of the management operations (the gRPC one: grpc_api.py)."""
+
     def __init__(self, registry: Registry, enable_model_api: bool, server):
-        self.registry, self.enable_model_api, self.server = registry, enable_model_api, server
-        self._tasks: set[asyncio.Task] = set()
-        # Registrations, scaling and unregistering (downloads, builds) in threads of their own: slow ones never take
-        # the threads /ping, describe and /metrics need (asyncio's default pool, 6 threads on 2 cores).
-        self._changes = ThreadPoolExecutor(max_workers=CHANGE_THREADS, thread_name_prefix="torchserve-change")
-
-    async def _change(self, call, *args, **kwargs):
-        """`call` in a change thread, awaited."""
-        return await asyncio.get_running_loop().run_in_executor(self._changes, functools.partial(call, *args, **kwargs))
-
-    async def call(self, handler, params: Params, path: dict) -> Response:
-        """One management call, REST's or gRPC's: `handler` (register, list, ...) with the call's parameters and the
-        path's model_name / version; a refusal as TorchServe's JSON error."""
-        try:
-            return await handler(params, path)
-        except BadParameter as exc:
-            return error(400, str(exc))
-        except NotFound as exc:
-            return error(404, str(exc), exc.kind)
-        except Conflict as exc:
-            return error(409, str(exc))
-        except ArchiveProblem as exc:
-            if exc.reason:  # what the client is not told (e.g. why a download failed)
-                self.registry.log(f"serve-repo: {exc} ({exc.reason})")
-            return error(exc.status, str(exc), exc.kind)
-        except ServerError as exc:
-            return error(500, str(exc))
-
-    def _background(self, call, *args, **kwargs) -> None:
-        """`call` off the event loop, answered already (synchronous=false): its failure goes to the log."""
-        task = asyncio.create_task(self._change(call, *args, **kwargs))
-        self._tasks.add(task)
-
-        def done(finished: asyncio.Task) -> None:
-            self._tasks.discard(finished)
-            if not finished.cancelled() and finished.exception() is not None:
-                self.registry.log(f"serve-repo: {call.__name__} failed: {finished.exception()}")
-        task.add_done_callback(done)
-
-    def _model_api_off(self) -> Response:
-        # TorchServe's answer, word for word (enable_model_api=true or serve-repo --enable-model-api turns it on)
-        return error(405, "Requested method is not allowed, please refer to API document.")
-
-    # -- routes --
-    async def register(self, params: Params, path: dict) -> Response:
-        if not self.enable_model_api:
-            return self._model_api_off()
-        log = self.registry.log
-        url = _param(params, "url")
-        if url is None:
-            raise BadParameter("Parameter url is required.")
-        runtime = _param(params, "runtime")
-        if runtime is not None and runtime not in RUNTIMES:
-            raise BadParameter(f"Invalid RuntimeType value: {runtime}")
-        if url == "":
-            raise NotFound("empty url")
-        if _param(params, "s3_sse_kms") is not None:  # TorchServe's, of no use on Triton
-            log(f"serve-repo: s3_sse_kms={_param(params, 's3_sse_kms')[:80]!r} ignored (no S3 here)")
-        # TorchServe's: initial_workers, else default_workers_per_model as configured (0 when not); 0 or less: none
-        # until scaled (an archive's minWorkers still wins, in the registry)
-        workers = max(0, _int(params, "initial_workers", self.registry.default_workers or 0, log))
-        timeout = _int(params, "response_timeout", -1, log)
-        startup = _int(params, "startup_timeout", -1, log)
-        args = dict(url=url, name=_param(params, "model_name") or None,
-                    batch_size=_least("batch_size", _int(params, "batch_size", None, log), 1),
-                    max_batch_delay=_least("max_batch_delay", _int(params, "max_batch_delay", None, log), 0),
-                    # with startup_timeout=0 nothing starts: TorchServe's 500, whatever the count
-                    workers=workers if startup == 0 else
-                    _bounded("initial_workers", workers, self.registry.max_workers),
-                    response_timeout=self.registry.response_timeout if timeout == -1 else
-                    _least("response_timeout", timeout, 1),
-                    startup_timeout=self.registry.startup_timeout if startup == -1 else startup,
-                    handler=_param(params, "handler") or None)
-        if not _bool(params, "synchronous", True, log):
-            # as TorchServe: the archive found (an http(s) URL's fetched, or refused) and read, the model known and in
-            # a snapshot now, its workers to come (issue 52: a change is durable before it is answered)
-            model = await self._change(self.registry.claim, **args)
-            model.runtime = runtime or model.runtime  # described as registered
-            await self._change(self.registry.changed)  # in a snapshot before it is answered (issue 52 F2)
-            if model.workers:
-                self._background(self.registry.complete, model)
-                return reply({"status": "Processing worker updates..."}, 202)
-        else:
-            model = await self._change(self.registry.register, **args)
-            model.runtime = runtime or model.runtime
-        if not model.workers:
-            return reply({"status": f'Model "{model.name}" Version: {model.version} registered with 0 initial '
-                                    "workers. Use scale workers API to add workers for the model."})
-        return reply({"status": f'Model "{model.name}" Version: {model.version} registered with {model.workers} '
-                                "initial workers"})
-
-    async def list(self, params: Params, path: dict) -> Response:
-        """TorchServe's paging: models by name; nextPageToken (the next index, a string) first, whenever the page
-        does not run past the end; a limit past 0..100 is 100, a negative token 0."""
-        limit = _int(params, "limit", 100, self.registry.log)
-        limit = 100 if limit < 0 or limit > 100 else limit
-        start = max(0, _int(params, "next_page_token", 0, self.registry.log))
-        names = sorted(self.registry.models)
-        last = (start + limit + 2**31) % 2**32 - 2**31  # a Java int: past 2^31-1 it wraps, as TorchServe's
-        page = [{"modelName": name, "modelUrl": self.registry.find(name).info.url} for name in names[start:last]]
-        body = {"models": page}
-        if last <= len(names):
-            body = {"nextPageToken": str(last), **body}
-        return reply(body)
-
-    def _selected(self, path: dict) -> list[Model]:
-        name, version = path["model_name"], path.get("model_version")
-        if version == "all":
-            self.registry.find(name)
-            return list(self.registry.models[name].values())
-        return [self.registry.find(name, version)]
-
-    async def describe(self, params: Params, path: dict) -> Response:
-        models = self._selected(path)
-
-        def described() -> list[dict]:  # asks Triton and /proc: off the event loop
-            stubs = self.server.stubs()
-            return [self._describe(model, stubs) for model in models]
-        return reply(await asyncio.to_thread(described))
-
-    def _describe(self, model: Model, stubs) -> dict:
-        mine = sorted((s for s in stubs if s.model == model.triton and s.alive), key=lambda s: s.pid)
-        ready = bool(model.members) and self.server.model_ready(model.triton)  # no members: building
-        workers = [{"id": str(9000 + i), "startTime": model.start_time, "status": "READY" if ready else "UNLOADING",
-                    "memoryUsage": 0, "pid": stub.pid, "gpu": False, "gpuUsage": "N/A"}
-                   for i, stub in enumerate(mine[:model.workers])]
-        queued = max(0, model.queued - model.batch_size * model.workers)  # beyond what the instances hold
-        low, high = model.bounds or (model.workers, model.workers)
-        # TorchServe 0.12's 26 keys, in its order; those for features Triton's batching replaces keep its defaults
-        return {"modelName": model.name, "modelVersion": model.version, "modelUrl": model.info.url,
-                "runtime": model.runtime, "minWorkers": low, "maxWorkers": high,
-                "batchSize": model.batch_size, "maxBatchDelay": model.max_batch_delay,
-                "responseTimeout": model.response_timeout, "startupTimeout": model.startup_timeout,
-                "maxRetryTimeoutInSec": 300,
-                "clientTimeoutInMills": 0, "parallelType": "", "parallelLevel": 0, "deviceType": "cpu",
-                "continuousBatching": False, "useJobTicket": False, "useVenv": False, "stateful": False,
-                "sequenceMaxIdleMSec": 0, "sequenceTimeoutMSec": 0, "maxNumSequence": 0,
-                "maxSequenceJobQueueSize": 0, "loadedAtStartup": model.loaded_at_startup, "workers": workers,
-                "jobQueueStatus": {"remainingCapacity": self.registry.job_queue_size - queued,
-                                   "pendingRequests": queued}}
-
-    async def scale(self, params: Params, path: dict) -> Response:
-        log = self.registry.log
-        # As TorchServe 0.12, with the model API off too (it refuses registering and unregistering only); what runs
-        # is within min_worker..max_worker (Registry.scale); what max_workers_per_model bounds is min_worker.
-        low = _int(params, "min_worker", 1, log)
-        high = _int(params, "max_worker", low, log)
-        if low > high:  # before the model is looked up, as TorchServe's ApiUtils.updateModelWorkers
-            raise BadParameter("max_worker cannot be less than min_worker.")
-        model = self.registry.find(path["model_name"], path.get("model_version"))
-        if low < 0:  # TorchServe 0.12 fails it (500, an IndexOutOfBoundsException of its own)
-            return error(500, f"Invalid min_worker: {low}: a worker count is 0 or more", "InternalServerException")
-        _bounded("min_worker", low, self.registry.max_workers)
-        version = path.get("model_version")
-        if not _bool(params, "synchronous", False, log):
-            model.bounds = (low, high)  # what a restart starts, in a snapshot before it is answered (issue 52)
-            await self._change(self.registry.changed)
-            self._background(self.registry.scale, model, low, high, version)
-            return reply({"status": "Processing worker updates..."}, 202)
-        await self._change(self.registry.scale, model, low, high, version)
-        named = f", version: {model.version}" if version else ""
-        return reply({"status": f"Workers scaled to {low} for model: {model.name}{named}"})
-
-    async def unregister(self, params: Params, path: dict) -> Response:
-        if not self.enable_model_api:
-            return self._model_api_off()
-        model = self.registry.find(path["model_name"], path.get("model_version"))
-        versions = self.registry.models.get(model.name, {})
-        if path.get("model_version") and len(versions) > 1 and \
-                self.registry.defaults.get(model.name) == model.version:
-            return error(403, f"Cannot remove default version for model {model.name}", "InvalidModelVersionException")
-        await self._change(self.registry.unregister, model)
-        return reply({"status": f'Model "{model.name}" unregistered'})
-
-    async def set_default(self, params: Params, path: dict) -> Response:
-        name, version = path["model_name"], path["model_version"]
-        self.registry.find(name)
-        if version not in self.registry.models.get(name, {}):  # TorchServe's words here: no colons
-            raise NotFound(f"Model version {version} does not exist for model {name}", "ModelVersionNotFoundException")
-        model = self.registry.find(name, version)
-        self.registry.set_default(model)
-        return reply({"status": f'Default version successfully updated for model "{model.name}" to '
-                                f'"{model.version}"'})
+        self.operations = Operations(registry, enable_model_api, server)
 
     async def model_api(self, params: Params, path: dict) -> Response:
         """OPTIONS /models/NAME[/VERSION]: the model's management calls, described as TorchServe describes them."""
-        return openapi.model_reply("management", self.registry.find(path["model_name"], path.get("model_version")).name)
+        model = self.operations.registry.find(path["model_name"], path.get("model_version"))
+        return openapi.model_reply("management", model.name)
+
+    async def answer(self, operation, params: Params, path: dict) -> Response:
+        """`operation`'s answer as TorchServe's REST gives it; a refusal as its JSON error."""
+        operations = self.operations
+        try:
+            if operation in (operations.register, operations.unregister) and not operations.enable_model_api:
+                # TorchServe's answer, word for word (enable_model_api=true or serve-repo --enable-model-api: on)
+                raise Refusal("Requested method is not allowed, please refer to API document.",
+                              "MethodNotAllowedException")
+            if operation == self.model_api:
+                return await operation(params, path)
+            result = await operations.call(operation, params, path)
+        except Refusal as exc:
+            return refused(exc)
+        if isinstance(result, Status):
+            return reply({"status": result.message}, 202 if result.accepted else 200)
+        return reply(result)
 
     def app(self) -> Starlette:
-        def guarded(handler):
+        ops = self.operations
+
+        def guarded(operation):
             async def endpoint(request: Request) -> Response:
                 try:  # a registration's parameters may come in a JSON body; the others' in the query only
-                    params = await _params(request, body=handler == self.register)
-                except BadParameter as exc:
-                    return error(400, str(exc))
-                return await self.call(handler, params, dict(request.path_params))
+                    params = await _params(request, body=operation == ops.register)
+                except Refusal as exc:
+                    return refused(exc)
+                return await self.answer(operation, params, dict(request.path_params))
             return endpoint
 
         return Starlette(routes=[
-            Route("/models", guarded(self.register), methods=["POST"]),
-            Route("/models", guarded(self.list), methods=["GET"]),
-            Route("/models/{model_name}", guarded(self.describe), methods=["GET"]),
-            Route("/models/{model_name}", guarded(self.scale), methods=["PUT"]),
-            Route("/models/{model_name}", guarded(self.unregister), methods=["DELETE"]),
-            Route("/models/{model_name}/{model_version}", guarded(self.describe), methods=["GET"]),
-            Route("/models/{model_name}/{model_version}", guarded(self.scale), methods=["PUT"]),
-            Route("/models/{model_name}/{model_version}", guarded(self.unregister), methods=["DELETE"]),
-            Route("/models/{model_name}/{model_version}/set-default", guarded(self.set_default), methods=["PUT"]),
+            Route("/models", guarded(ops.register), methods=["POST"]),
+            Route("/models", guarded(ops.list), methods=["GET"]),
+            Route("/models/{model_name}", guarded(ops.describe), methods=["GET"]),
+            Route("/models/{model_name}", guarded(ops.scale), methods=["PUT"]),
+            Route("/models/{model_name}", guarded(ops.unregister), methods=["DELETE"]),
+            Route("/models/{model_name}/{model_version}", guarded(ops.describe), methods=["GET"]),
+            Route("/models/{model_name}/{model_version}", guarded(ops.scale), methods=["PUT"]),
+            Route("/models/{model_name}/{model_version}", guarded(ops.unregister), methods=["DELETE"]),
+            Route("/models/{model_name}/{model_version}/set-default", guarded(ops.set_default), methods=["PUT"]),
             # TorchServe reads no further than the version for the other methods
-            Route("/models/{model_name}/{model_version}/set-default", guarded(self.describe), methods=["GET"]),
-            Route("/models/{model_name}/{model_version}/set-default", guarded(self.unregister), methods=["DELETE"]),
+            Route("/models/{model_name}/{model_version}/set-default", guarded(ops.describe), methods=["GET"]),
+            Route("/models/{model_name}/{model_version}/set-default", guarded(ops.unregister), methods=["DELETE"]),
             *(Route(path, guarded(self.model_api), methods=["OPTIONS"]) for path in openapi.MODEL_MANAGEMENT),
             *openapi.routes("management"),
         ], exception_handlers=HANDLERS)

@@ -4,37 +4,37 @@ registered, scaled (a live reload, up to max_workers) and unregistered through T
 restart. BASE_explain, the image path's explanations, is loaded on demand (explainers.py), unloaded with the rest."""
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
 
-from common.modelconfig import read_config, served, to_text
 from server import canary
 from server.errors import ServerError
-from server.torchserve.archives import (KEEP_UNUSED_BUILDS, ArchiveProblem, adopted, build_registered, copied,
+from server.torchserve.archives import (KEEP_UNUSED_BUILDS, adopted, build_registered, copied,
                                         inspect, link, locate, prune)
 from server.torchserve.explainers import Explainers
+from server.torchserve.loading import remove, wait_unloaded, write_config
 from server.torchserve.naming import refusal, triton_base, triton_names
 from server.torchserve.registration import Model
-from server.torchserve.replies import Conflict, NotFound  # noqa: F401 (imported from here by the API modules)
+from server.torchserve.refusals import Refusal
 from server.triton import TritonServer
 
 
 class Registry:
     def __init__(self, server: TritonServer, store: Path, cache: Path, build_options: list[str],
                  default_workers: int | None, job_queue_size: int, log=print, response_timeout: int = 120,
-                 max_workers: int = 1, canary: bool = True):
+                 max_workers: int = 1, canary: bool = True, startup_timeout: int = 120,
+                 allowed_urls: tuple[str, ...] | None = None, max_pixels: int | None = None):
         self.canary = canary  # one checked request before a registration or a scale answers (server/canary.py)
         self.server, self.store, self.cache, self.log = server, store, cache, log
         self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
         self.max_workers = max_workers  # max_workers_per_model: what any registration or scale may start
         self.response_timeout = response_timeout  # seconds, where a registration names none
-        self.startup_timeout = 120  # config.properties' default_startup_timeout, where a registration names none
-        self.allowed_urls: tuple[str, ...] | None = None  # config.properties' allowed_urls (None: TorchServe's default)
+        self.startup_timeout = startup_timeout  # default_startup_timeout, where a registration names none
+        self.allowed_urls = allowed_urls  # config.properties' allowed_urls (None: TorchServe's default)
         # config.properties' max_pixels (None: build-repo's, 50 M) bounds both paths' decoding, where TorchServe's
         # handlers have PIL's own bound (an error past 2 x 89,478,485 pixels), as the plain front's (issue 42 B9)
-        self.max_pixels: int | None = None
+        self.max_pixels = max_pixels
         self.models: dict[str, dict[str, Model]] = {}  # name -> version -> entry
         self.defaults: dict[str, str] = {}  # name -> default version
         self._lock = threading.RLock()  # one management change at a time (TorchServe serializes them too)
@@ -42,14 +42,20 @@ class Registry:
         self.changed = lambda: None  # after each change a client made: TorchServe's config snapshot (snapshots.py)
         self.explainers = Explainers(self)  # the image path's explanations: a handler-path model loaded on demand
 
+    def on_change(self, save=None) -> None:
+        """`save` called after each change a client made (TorchServe's config snapshot: snapshots.py), its failure
+        (a ServerError) the caller's answer; None: nothing saved."""
+        self.changed = save if save is not None else lambda: None
+
     # -- lookups (the inference API's, on every request: no lock, dict reads are atomic) --
     def find(self, name: str, version: str | None = None) -> Model:
         versions = self.models.get(name)
         if not versions:
-            raise NotFound(f"Model not found: {name}")
+            raise Refusal(f"Model not found: {name}", "ModelNotFoundException")
         version = version or self.defaults.get(name)
         if version not in versions:
-            raise NotFound(f"Model version: {version} does not exist for model: {name}", "ModelVersionNotFoundException")
+            raise Refusal(f"Model version: {version} does not exist for model: {name}",
+                          "ModelVersionNotFoundException")
         return versions[version]
 
     def all(self) -> list[Model]:
@@ -77,10 +83,11 @@ class Registry:
             info = inspect(path, url)
             name = name or info.name
             if (refused := refusal(name, info.version)) is not None:
-                raise ArchiveProblem(refused)
+                raise Refusal(refused, "InvalidModelException")
             with self._claims:
                 if info.version in self.models.get(name, {}):
-                    raise Conflict(f"Model version {info.version} is already registered for model {name}")
+                    raise Refusal(f"Model version {info.version} is already registered for model {name}",
+                                  "ConflictStatusException")
                 # TorchServe's when the request names none: the archive's model-config.yaml, else 1 and 100 ms
                 batch = batch_size or info.batch_size or 1
                 delay = (info.max_batch_delay or 100) if max_batch_delay is None else max_batch_delay
@@ -90,7 +97,8 @@ class Registry:
                 taken = set().union(*(triton_names(m.triton) for m in self.all()))
                 triton = triton_base(name, info.version, name not in self.models, taken)
                 if triton is None:
-                    raise Conflict(f"Model version {info.version} of model {name}: its Triton model names are taken")
+                    raise Refusal(f"Model version {info.version} of model {name}: its Triton model names are taken",
+                                  "ConflictStatusException")
                 model = Model(name, info.version, info, triton, batch, delay, count, response_timeout,
                               loaded_at_startup, self.startup_timeout if startup_timeout is None else startup_timeout,
                               handler if handler != info.handler else None)
@@ -125,8 +133,8 @@ class Registry:
     def _start(self, model: Model, named: str | None) -> None:
         """Build `model` (cached) and serve it with its workers within its startup_timeout, else TorchServe's 500
         (`named`: the version its message names, as TorchServe's: the request's, else null; the reason is logged)."""
-        failed = ArchiveProblem(f"Failed to start workers for model {model.name} version: {named or 'null'}", 500,
-                                "InternalServerException")
+        failed = Refusal(f"Failed to start workers for model {model.name} version: {named or 'null'}",
+                         "InternalServerException")
         if model.startup_timeout <= 0:  # TorchServe: no worker starts in 0 s
             self.log(f"{model.name} {model.version}: startup_timeout={model.startup_timeout}: no worker can start")
             raise failed
@@ -143,7 +151,7 @@ class Registry:
         began = time.monotonic()  # the build is serve-repo's own step; the workers' start is Triton's load
         try:
             self._serve(model, built)
-        except ArchiveProblem as exc:
+        except Refusal as exc:
             self.log(f"{model.name} {model.version}: {exc}")
             raise failed from None
         if time.monotonic() - began > model.startup_timeout:
@@ -181,16 +189,16 @@ class Registry:
         for member in members:
             target = link(built, member, self.server.repository)
             # The classifier runs `workers` instances; its decoder (NAME_preprocess) as built, but never more.
-            self._write_config(built / member / "config.pbtxt", target / "config.pbtxt",
-                               model.workers if member == model.triton else None,
-                               wait=member == model.triton, at_most=model.workers, max_pixels=self.max_pixels)
+            write_config(built / member / "config.pbtxt", target / "config.pbtxt",
+                         model.workers if member == model.triton else None,
+                         wait=member == model.triton, at_most=model.workers, max_pixels=self.max_pixels)
         try:
             for member in members:
                 self.server.load(member)
                 self.server.loaded_anew(member)
         except ServerError as exc:
-            self._remove(members)
-            raise ArchiveProblem(f"Failed to load model {model.name}: {exc}", 500, "InternalServerException") from None
+            remove(self.server, members)
+            raise Refusal(f"Failed to load model {model.name}: {exc}", "InternalServerException") from None
         try:  # loaded is not answering: one checked request first (server/canary.py)
             report = canary.run(self.server, models=members) if self.canary else None
         except ServerError as exc:
@@ -199,23 +207,13 @@ class Registry:
                     self.server.unload(member)
                 except ServerError:
                     pass
-            self._wait_unloaded(members)
-            self._remove(members)
-            raise ArchiveProblem(f"Failed to load model {model.name}: {exc}", 500, "InternalServerException") from None
+            wait_unloaded(self.server, members, self.log)
+            remove(self.server, members)
+            raise Refusal(f"Failed to load model {model.name}: {exc}", "InternalServerException") from None
         if report is not None:
             self.log(f"{model.name} {model.version}: {report.line()}")
-        self.server.loaded = [*self.server.loaded, *members]  # the supervisor watches their stubs from now on
+        self.server.watch(members)  # the supervisor watches their stubs from now on
         model.members = members  # served: predictions go to it from now on (503 before: workers to come)
-
-    @staticmethod
-    def _write_config(source: Path, target: Path, instances: int | None, wait: bool = True,
-                      at_most: int | None = None, max_pixels: int | None = None) -> None:
-        """`source` as served here: config.properties' `max_pixels` where given, `instances` (else as built, up to
-        `at_most`) of the first group's kind as that many groups of one, and no batch delay where not `wait`: a request
-        waits max_batch_delay once, as under TorchServe, in the classifier's batcher (in both, c=1 waited it twice)."""
-        # N groups of one, as build-repo writes them: a dead stub is replaced alone
-        target.write_text(to_text(served(read_config(source), instances, at_most, None if wait else 0,
-                                         None if max_pixels is None else {"max_pixels": str(max_pixels)})))
 
     def scale(self, model: Model, low: int, high: int, named: str | None = None) -> None:
         """TorchServe's minWorkers `low`, maxWorkers `high`: the workers (Triton instances) brought within them as its
@@ -260,7 +258,7 @@ class Registry:
         if workers == model.workers:
             return  # within them already: TorchServe leaves its workers as they are
         config = self.server.repository / model.triton / "config.pbtxt"
-        self._write_config(config, config, workers)
+        write_config(config, config, workers)
         self.server.load(model.triton)
         self.server.loaded_anew(model.triton)
         model.workers = workers
@@ -280,7 +278,7 @@ class Registry:
     def _stop(self, model: Model) -> None:
         """`model`'s Triton models unloaded once what the front sent on is answered (new requests: 503 or 404)."""
         members, model.members = model.members, []
-        self.server.loaded = [m for m in self.server.loaded if m not in members]
+        self.server.watch(members, False)
         # What the front already sent on is answered first; then the models one by one, the ensemble first and
         # each gone before the next, so that no request in flight in one finds the next one unloaded.
         deadline = time.monotonic() + model.response_timeout
@@ -291,43 +289,9 @@ class Registry:
                 self.server.unload(member)
             except ServerError as exc:
                 self.log(f"unloading {model.name}: {exc}")
-            self._wait_unloaded([member])
-        self._remove(members)
+            wait_unloaded(self.server, [member], self.log)
+        remove(self.server, members)
         self.explainers.unload(model)  # its explanations' model too, where one was loaded
-
-    def _wait_unloaded(self, members: list[str], limit: float = 120, stuck: float = 10) -> None:
-        """Until Triton has unloaded `members`, at most `limit` s (called once the front's requests to them are
-        answered, or past their response_timeout); one still UNLOADING after `stuck` s is not waited for: Triton 2.51
-        never ends the unload of a model one of whose stubs died with a batch in flight (server/supervisor.py), even
-        after its instances were replaced (a DELETE waited the whole 120 s). A new load of the name is a new copy."""
-        deadline = time.monotonic() + limit
-        unloading: dict[str, float] = {}
-        while members and time.monotonic() < deadline:
-            try:
-                states = {e.get("name"): e.get("state") for e in self.server.index()}
-            except ServerError:
-                return
-            members = [m for m in members if states.get(m) in ("READY", "UNLOADING", "LOADING")]
-            now = time.monotonic()
-            for member in members:
-                since = unloading.setdefault(member, now) if states[member] == "UNLOADING" else None
-                if since is None:
-                    unloading.pop(member, None)
-                elif now - since >= stuck:
-                    self.log(f"unloading {member}: still unloading after {stuck:.0f} s (a stub that "
-                             "died with a batch in flight: Triton never ends it): not waited for")
-                    members = [m for m in members if m != member]
-                    # its stubs never end either: counted as instances never freed (server/supervisor.py)
-                    self.server.abandoned.update(stub.pid for stub in self.server.stubs()
-                                                 if stub.alive and stub.model == member)
-            if members:
-                time.sleep(0.2)
-        if members:
-            self.log(f"unloading {', '.join(members)}: not unloaded after {limit:.0f} s")
-
-    def _remove(self, members: list[str]) -> None:
-        for member in members:
-            shutil.rmtree(self.server.repository / member, ignore_errors=True)
 
     def set_default(self, model: Model) -> None:
         with self._lock:

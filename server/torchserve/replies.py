@@ -1,4 +1,4 @@
-"""TorchServe's answers: JSON as its frontend prints it, its error bodies and status codes, its token check."""
+"""TorchServe's REST answers: JSON as its frontend prints it, a Refusal as its error body, headers, token check."""
 from __future__ import annotations
 
 import hmac
@@ -12,26 +12,7 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import Response
 
-
-class Conflict(ValueError):
-    """TorchServe's 409: the model version is registered already."""
-
-
-class NotFound(KeyError):
-    """TorchServe's 404: no such model or version; str() is TorchServe's message, kind its exception's name."""
-
-    def __init__(self, message: str, kind: str = "ModelNotFoundException"):
-        super().__init__(message)
-        self.kind = kind
-
-    def __str__(self) -> str:
-        return self.args[0]
-
-
-# The exception names TorchServe's frontend puts in "type", by status.
-ERROR_TYPES = {400: "BadRequestException", 401: "TokenAuthorizationException", 404: "ModelNotFoundException",
-               405: "MethodNotAllowedException", 409: "ConflictStatusException", 413: "RequestEntityTooLarge",
-               500: "InternalServerException", 503: "ServiceUnavailableException", 507: "InsufficientStorage"}
+from server.torchserve.refusals import TOKEN_FAILED, Refusal
 
 
 def dumps(value) -> str:
@@ -40,12 +21,9 @@ def dumps(value) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False).replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
-def reply(value, status: int = 200, end: str = "\n", handler: bool = False) -> Response:
-    """The frontend's own answers end in a newline and say they are JSON; a handler's (predictions) do not, are
-    Python's json.dumps (`handler`: beyond ASCII escaped) and carry no content type, as TorchServe sends a handler's
-    answer with the type its handler set, and image_classifier sets none."""
-    text = json.dumps(value, indent=2) if handler else dumps(value)
-    return Response(text + end, status, media_type=None if handler else "application/json")
+def reply(value, status: int = 200) -> Response:
+    """The frontend's own answers end in a newline and say they are JSON (a handler's: predictions.Prediction)."""
+    return Response(dumps(value) + "\n", status, media_type="application/json")
 
 
 # What TorchServe's NettyUtils.sendHttpResponse adds to every answer of its three HTTP APIs (besides x-request-id, a
@@ -76,13 +54,12 @@ class TorchServeHeaders:
         return await self.app(scope, receive, with_headers)
 
 
-def error(status: int, message: str, kind: str | None = None) -> Response:
-    return reply({"code": status, "type": kind or ERROR_TYPES.get(status, "InternalServerException"),
-                  "message": message}, status)
-
-
-def too_large() -> Response:
-    return Response(b"", 413)  # TorchServe's frontend answers an over-size body with an empty 413
+def refused(refusal: Refusal) -> Response:
+    """A refusal as TorchServe's REST answers it: its JSON error, but for an over-size body, which TorchServe's
+    frontend (Netty) answers with an empty 413."""
+    if refusal.kind == "TooLongFrameException":
+        return Response(b"", refusal.status)
+    return reply(refusal.body(), refusal.status)
 
 
 # TorchServe's TokenAuthorization: "^Bearer\s+(\S+)$" matched whole (Java's \s: ASCII whitespace only)
@@ -123,19 +100,20 @@ class Tokens:
         async def guarded(scope, receive, send):
             if scope["type"] == "http" and scope["path"] not in UNGUARDED and \
                     not self.allowed(dict(scope["headers"]), api):
-                response = error(400, "Token Authorization failed. Token either incorrect, expired, or not provided "
-                                      "correctly", "InvalidKeyException")
+                response = refused(Refusal(TOKEN_FAILED, "InvalidKeyException"))
                 return await response(scope, receive, send)
             return await app(scope, receive, send)
         return guarded if self.path is not None else app
 
 
 async def _not_found(request: Request, exc) -> Response:
-    return error(404, "Requested resource is not found, please refer to API document.", "ResourceNotFoundException")
+    return refused(Refusal("Requested resource is not found, please refer to API document.",
+                           "ResourceNotFoundException"))
 
 
 async def _not_allowed(request: Request, exc) -> Response:
-    return error(405, "Requested method is not allowed, please refer to API document.")
+    return refused(Refusal("Requested method is not allowed, please refer to API document.",
+                           "MethodNotAllowedException"))
 
 
 HANDLERS = {404: _not_found, 405: _not_allowed}  # Starlette's plain-text 404 / 405, in TorchServe's JSON

@@ -15,7 +15,6 @@ from common.procs import port_free
 from server.errors import ServerError
 from server.supervisor import Supervisor
 from server.torchserve import snapshots
-from server.torchserve.archives import ArchiveProblem
 from server.torchserve import grpc_api
 from server.torchserve.bounded_http import BoundedHttpToolsProtocol
 from server.torchserve.inference import Inference
@@ -23,7 +22,8 @@ from server.torchserve.management import Management
 from server.torchserve.metrics import Metrics
 from server.torchserve.ping import KEY_FILE  # TorchServe writes it in the directory it was started from
 from server.torchserve.properties import PropertiesError, Settings, settings as read_settings
-from server.torchserve.registry import Conflict, Registry
+from server.torchserve.refusals import Refusal
+from server.torchserve.registry import Registry
 from server.torchserve.replies import TorchServeHeaders
 from server.torchserve.replies import Tokens
 from server.triton import TritonServer
@@ -122,7 +122,7 @@ def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> N
                                    extra.get("minWorkers"), extra.get("responseTimeout") or config.response_timeout,
                                    loaded_at_startup=not restoring, startup_timeout=extra.get("startupTimeout"),
                                    restored=restoring)
-        except (ArchiveProblem, Conflict, ServerError) as exc:  # as TorchServe: the others still load
+        except (Refusal, ServerError) as exc:  # as TorchServe: the others still load
             log(f"serve-repo: could not load {file}: {exc}")
             continue
         if restoring and extra.get("maxWorkers", model.workers) > model.workers:  # as TorchServe's setModelState
@@ -131,7 +131,7 @@ def load_at_startup(registry: Registry, config: Settings, store: Path, log) -> N
             registry.set_default(model)
         try:
             registry.complete(model, keep=restoring)
-        except (ArchiveProblem, Conflict, ServerError) as exc:
+        except (Refusal, ServerError) as exc:
             if restoring:  # still registered as recorded (not TorchServe's: it drops it, and its next snapshot too)
                 log(f"serve-repo: restored {model.name} {model.version} with no worker running: its workers did not "
                     f"start ({exc}); scale it (PUT /models/{model.name}?min_worker=N) to start them")
@@ -182,10 +182,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
             f"{config.max_workers}: {config.max_workers} per model")
     registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
                         config.default_workers, config.job_queue_size, log, config.response_timeout,
-                        config.max_workers, canary=args.canary == "on")
-    registry.allowed_urls = config.allowed_urls
-    registry.max_pixels = config.max_pixels
-    registry.startup_timeout = config.startup_timeout
+                        config.max_workers, canary=args.canary == "on", startup_timeout=config.startup_timeout,
+                        allowed_urls=config.allowed_urls, max_pixels=config.max_pixels)
     if config.snapshot is not None:
         log(f"restoring the {sum(map(len, config.snapshot.values()))} registration(s) of its model_snapshot")
     load_at_startup(registry, config, config.model_store, log)
@@ -203,13 +201,13 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     apps = {"inference": tokens.guard(inference.app(), "inference"),
             "management": tokens.guard(management.app(), "management"),
             "metrics": Metrics(registry, server.http_url, server.metrics_url).app()}
-    services = {"grpc_inference": grpc_api.inference_service(inference, tokens, config.max_request_size),
-                "grpc_management": grpc_api.management_service(management, inference, tokens,
+    services = {"grpc_inference": grpc_api.inference_service(inference.predictions, tokens, config.max_request_size),
+                "grpc_management": grpc_api.management_service(management.operations, inference.predictions, tokens,
                                                                  config.max_request_size)}
     saved = None if args.ncs else snapshots.Snapshots(registry, config.entries, snapshots.folder(), log,
                                                       keep=args.keep_snapshots)
     if saved is not None:  # before the APIs listen: a change answered in the moment after is in a snapshot too
-        registry.changed = saved.changed  # a change not saved is answered 500, not as if durable
+        registry.on_change(saved.changed)  # a change not saved is answered 500, not as if durable
     front = Front(apps, config, services)
     front.start()
     if not front.ready.wait(30) or front.failed:
@@ -229,7 +227,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     status = supervisor.run(stop)
     front.stop()
     if saved is not None:
-        registry.changed = lambda: None
+        registry.on_change(None)
         saved.save("shutdown")
     server.stop(keep_log=bool(status))
     shutil.rmtree(repository, ignore_errors=True)
