@@ -211,8 +211,7 @@ class Supervisor:
         """Restart tritonserver (drained) once it holds more than max_unfreed instances it never freed."""
         now = time.monotonic()
         stubs = self.server.stubs() if stubs is None else stubs
-        self.server.abandoned &= {s.pid for s in stubs if s.alive}  # the rest are gone
-        dead = {s.pid for s in stubs if s.zombie} | self.server.abandoned
+        dead = {s.pid for s in stubs if s.zombie} | self.server.abandon(alive={s.pid for s in stubs if s.alive})
         self._zombies = {pid: self._zombies.get(pid, now) for pid in dead}
         kept = [pid for pid, since in self._zombies.items() if now - since >= self.unfreed_grace]
         if not self.max_unfreed or len(kept) <= self.max_unfreed:

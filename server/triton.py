@@ -200,9 +200,7 @@ class TritonServer:
         """Start again after the server died: same ports, log and shared-memory prefix."""
         self._reap()
         deadline = time.monotonic() + 10  # a dead server's listening sockets take a moment to go
-        while not all(port is None or port_free(self.host, port) for port in self.ports.values()):
-            if time.monotonic() > deadline:
-                break
+        while time.monotonic() < deadline and not all(port_free(self.host, p) for p in self.ports.values() if p):
             time.sleep(0.1)
         return self.start(timeout, abort)
 
@@ -252,9 +250,11 @@ class TritonServer:
         """`names` loaded (else unloaded) live: the supervisor replaces their dead stubs (else no longer)."""
         self.loaded = [*self.loaded, *names] if watched else [m for m in self.loaded if m not in names]
 
-    def abandon(self, pids) -> None:
-        """Live stubs of a copy whose unload never ends: counted as instances never freed (server/supervisor.py)."""
+    def abandon(self, pids=(), alive: set[int] | None = None) -> set[int]:
+        """Live stubs of a copy whose unload never ends, counted as never freed (supervisor); `alive`: forget others."""
         self.abandoned.update(pids)
+        self.abandoned &= self.abandoned if alive is None else alive
+        return set(self.abandoned)
 
     def model_ready(self, name: str) -> bool:
         return self._asks(lambda client: client.is_model_ready(name))

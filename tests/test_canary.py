@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.build_request import BuildRequest
 from common.modelconfig import from_json
 from common.procs import free_port
 from server import canary, cli
@@ -144,7 +145,7 @@ def test_torchserve_front_refuses_a_registration_with_500_when_its_model_answers
     (tmp_path / "served").mkdir()
     server = start_server(tmp_path / "served")
     lines = []
-    registry = registered.Registry(server, tmp_path, tmp_path / "cache", [], None, 100, lines.append)
+    registry = registered.Registry(server, tmp_path, tmp_path / "cache", BuildRequest(), None, 100, lines.append)
     with pytest.raises(Refusal) as refused:
         registry.register("wrong.mar")
     assert (refused.value.status, refused.value.kind) == (500, "InternalServerException")

@@ -143,3 +143,27 @@ def test_triton_model_suffixes_are_spelled_only_in_the_name_table_when_the_code_
              for room in ROOMS - {"tests"} for path in _modules(room) if path.name != "names.py"
              for number, line in enumerate(path.read_text().splitlines(), 1) if spelled.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_every_build_the_front_starts_is_a_typed_request_that_build_repo_parses_back_when_read():
+    """Issue 53: build-repo's command line for an archive is spelled in one place (BuildRequest.to_argv); the front's
+    modules build no argv of their own, and build-repo's own parser reads back what the request holds."""
+    from builder.cli import parser
+    from common.build_request import BuildRequest
+
+    request = BuildRequest(precision="fp32", engine="torch", trust_model_code=True, handler_path=True,
+                           max_batch_size=4, max_batch_delay_ms=7, archive=ROOT / "a.mar", name="a_v1",
+                           output=ROOT / "out")
+    args = parser().parse_args(request.to_argv())
+    assert (args.precision, args.engine, args.trust_model_code, args.handler_path, args.max_batch_size,
+            args.max_queue_delay_us, args.from_mar, args.name, args.output, args.json) == \
+        ("fp32", "torch", True, True, 4, 7000, ROOT / "a.mar", "a_v1", ROOT / "out", True)
+    bare = parser().parse_args(BuildRequest(archive=ROOT / "a.mar", name="a", output=ROOT / "o").to_argv())
+    assert (bare.precision, bare.engine, bare.trust_model_code, bare.handler_path) == (None, "auto", False, False)
+    with pytest.raises(ValueError, match="archive"):
+        BuildRequest(name="a").to_argv()
+    flags = re.compile(r"""["']--(precision|engine|trust-model-code|handler-path|max-batch-size|max-batch-delay-ms|"""
+                       r"""from-mar)["']""")
+    found = [f"{path.relative_to(ROOT)}:{number}" for path in (ROOT / "server" / "torchserve").glob("*.py")
+             for number, line in enumerate(path.read_text().splitlines(), 1) if flags.search(line)]
+    assert not found, found

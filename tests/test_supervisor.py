@@ -293,7 +293,7 @@ def test_proxy_that_keeps_dying_is_restarted_with_backoff_then_given_up_naming_i
     from server.supervisor import Supervisor
 
     server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"),
-                             abandoned=set())
+                             abandoned=set(), abandon=lambda pids=(), alive=None: set())
     proxy, lines = _DyingProxy(), []
     supervisor = Supervisor(server, max_restarts=3, poll_seconds=0.01, log=lines.append, proxy=proxy)
     stop = threading.Event()
@@ -326,7 +326,7 @@ def test_proxy_whose_start_keeps_failing_is_given_up_naming_why_it_did_not_start
             raise ServerError("http port 8000 on 0.0.0.0 is busy; choose another with --http-port")
 
     server = SimpleNamespace(running=lambda: True, stubs=lambda: [], loaded=[], repository=Path("/nonexistent"),
-                             abandoned=set())
+                             abandoned=set(), abandon=lambda pids=(), alive=None: set())
     proxy = Refused()
     supervisor = Supervisor(server, max_restarts=2, poll_seconds=0.01, log=lambda line: None, proxy=proxy)
     stop = threading.Event()

@@ -148,8 +148,8 @@ def test_the_flags_torchserve_mode_honours_reach_tritonserver_the_supervisor_and
         {"max_restarts": 2, "start_timeout": 7, "max_unfreed": 1, "canary": False}
     (registry,) = registries
     assert registry.canary is False
-    assert registry.build_options == ["--precision", "fp32", "--engine", "torch", "--trust-model-code",
-                                      "--handler-path"]
+    assert registry.build_request.options() == ["--precision", "fp32", "--engine", "torch", "--trust-model-code",
+                                        "--handler-path"]
     assert out.count("--trust-model-code: not needed in TorchServe mode") == 1, out
 
 
@@ -170,4 +170,4 @@ def test_without_the_flag_the_store_s_archives_still_run_their_code(tmp_path, mo
                                                            for api in ("inference", "management", "metrics"))
                       + "".join(f"grpc_{api}_port={free_port()}\n" for api in ("inference", "management")))
     assert cli.main(["--torchserve-config", str(config)]) == 0
-    assert registries[0].build_options == ["--trust-model-code"]
+    assert registries[0].build_request.options() == ["--trust-model-code"]

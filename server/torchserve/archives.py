@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from common.archive import (MANIFEST, ArchiveError, ModelSettings, config_name, model_settings, read_labels,
                             read_manifest)
+from common.build_request import BuildRequest
 from common.build_result import BuildResult
 from common.messages import first_line
 from server.torchserve.refusals import Refusal
@@ -227,23 +228,24 @@ def _archive_workers(settings: ModelSettings) -> int | None:
     return low if low is not None and high is not None and 0 < low <= high else None
 
 
-def build_registered(info: ArchiveInfo, handler: str | None, triton_name: str, cache: Path, options: list[str],
+def build_registered(info: ArchiveInfo, handler: str | None, request: BuildRequest, cache: Path,
                      log=print) -> tuple[Path, BuildResult]:
     """build() of a registration's archive: with `handler` (TorchServe's `handler` parameter) in place of the
     manifest's where given, from a copy of the archive that is removed once built."""
     made = with_handler(info, handler, cache / "handlers") if handler is not None else info
     try:
-        return build(made, triton_name, cache, options, log)
+        return build(made, request, cache, log)
     finally:
         if made is not info:
             made.path.unlink(missing_ok=True)
 
 
-def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], log=print) -> tuple[Path, BuildResult]:
-    """A model repository holding `triton_name` (+ _preprocess, _image) built by build-repo from the archive, and
+def build(info: ArchiveInfo, request: BuildRequest, cache: Path, log=print) -> tuple[Path, BuildResult]:
+    """A model repository holding `request.name` (+ _preprocess, _image) built by build-repo from the archive, and
     build-repo's result (--json: which model is what), cached by the archive's checksum and the build's options: a
     restart or a second registration reuses it."""
-    key = hashlib.sha256(json.dumps([info.sha256, triton_name, options]).encode()).hexdigest()[:24]
+    triton_name = request.name
+    key = hashlib.sha256(json.dumps([info.sha256, triton_name, request.options()]).encode()).hexdigest()[:24]
     built = cache / key
     try:
         result = BuildResult.from_json((built / BUILD_RESULT).read_text())
@@ -253,8 +255,7 @@ def build(info: ArchiveInfo, triton_name: str, cache: Path, options: list[str], 
         pass
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
-    command = [sys.executable, "-m", "builder.cli", "--from-mar", str(info.path), "--name", triton_name,
-               "--output", str(staging / "repo"), *options, "--json"]
+    command = [sys.executable, "-m", "builder.cli", *request.but(archive=info.path, output=staging / "repo").to_argv()]
     log(f"building {triton_name} from {info.path.name}: build-repo {' '.join(command[3:])}")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}

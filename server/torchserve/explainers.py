@@ -16,6 +16,7 @@ import asyncio
 import shutil
 import time
 
+from common.build_request import BuildRequest
 from server.errors import ServerError
 from server.torchserve.archives import build_registered, link
 from server.torchserve.loading import wait_unloaded, write_config
@@ -59,11 +60,11 @@ class Explainers:
             if not model.members:  # scaled to 0 or unregistered while this explanation waited
                 raise Refusal("the model is no longer served", "InternalServerException")
             name, began = model.explainer_name, time.monotonic()
-            options = ["--trust-model-code", "--handler-path", "--engine", "torch", "--max-batch-size", "1",
-                       "--max-batch-delay-ms", "0"]
+            request = BuildRequest(engine="torch", trust_model_code=True, handler_path=True, max_batch_size=1,
+                                   max_batch_delay_ms=0, name=name)
             loading = False
             try:
-                built = build_registered(model.info, model.handler_override, name, registry.cache, options,
+                built = build_registered(model.info, model.handler_override, request, registry.cache,
                                          registry.log)[0]
                 target = link(built, name, server.repository)
                 write_config(built / name / "config.pbtxt", target / "config.pbtxt", EXPLAINER_INSTANCES,

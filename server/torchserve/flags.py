@@ -41,19 +41,23 @@ TORCHSERVE_ONLY = ("models", "enable_model_api", "disable_token_auth", "ncs", "k
 def given(parser: argparse.ArgumentParser, argv: list[str] | None) -> list[str]:
     """The dests of the options `argv` names, in the parser's order (a default left alone is not given, even
     where the flag would repeat it: `--http-port 8000` is a port asked for)."""
-    for action in parser._actions:
-        action.default = argparse.SUPPRESS
-    named = vars(parser.parse_args(argv))
-    return [action.dest for action in parser._actions if action.option_strings and action.dest in named]
+    unset = object()  # argparse sets no default where the namespace holds the dest already
+    dests = list(vars(parser.parse_args([])))  # every dest, in the parser's order
+    named = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(dests, unset))))
+    return [dest for dest in dests if named[dest] is not unset]
+
+
+def flag(dest: str) -> str:
+    """The option that sets `dest` (every flag of the two tables above is spelled so: tests/test_torchserve_flags.py)."""
+    return "--" + dest.replace("_", "-")
 
 
 def refusal(parser: argparse.ArgumentParser, dests: list[str], args, torchserve: bool) -> str | None:
     """One line for the first flag given that this mode cannot act on, or None."""
-    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
     for dest in dests:
         if torchserve and dest in TRITON_ONLY and not (dest == "proxy" and args.proxy == "off"):
-            return f"{flags[dest]}: {TRITON_ONLY[dest]}"
+            return f"{flag(dest)}: {TRITON_ONLY[dest]}"
         if not torchserve and dest in TORCHSERVE_ONLY:
-            return (f"{flags[dest]}: a TorchServe-mode flag (with --model-store DIR or --torchserve-config FILE); "
+            return (f"{flag(dest)}: a TorchServe-mode flag (with --model-store DIR or --torchserve-config FILE); "
                     "with --repository, build-repo's options make the repository")
     return None

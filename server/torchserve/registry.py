@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+from common.build_request import BuildRequest
 from server import canary
 from server.errors import ServerError
 from server.torchserve.archives import (KEEP_UNUSED_BUILDS, adopted, build_registered, copied,
@@ -21,13 +22,14 @@ from server.triton import TritonServer
 
 
 class Registry:
-    def __init__(self, server: TritonServer, store: Path, cache: Path, build_options: list[str],
+    def __init__(self, server: TritonServer, store: Path, cache: Path, build: BuildRequest,
                  default_workers: int | None, job_queue_size: int, log=print, response_timeout: int = 120,
                  max_workers: int = 1, canary: bool = True, startup_timeout: int = 120,
                  allowed_urls: tuple[str, ...] | None = None, max_pixels: int | None = None):
         self.canary = canary  # one checked request before a registration or a scale answers (server/canary.py)
         self.server, self.store, self.cache, self.log = server, store, cache, log
-        self.build_options, self.default_workers, self.job_queue_size = build_options, default_workers, job_queue_size
+        self.build_request, self.default_workers = build, default_workers  # serve-repo's flags
+        self.job_queue_size = job_queue_size
         self.max_workers = max_workers  # max_workers_per_model: what any registration or scale may start
         self.response_timeout = response_timeout  # seconds, where a registration names none
         self.startup_timeout = startup_timeout  # default_startup_timeout, where a registration names none
@@ -140,10 +142,9 @@ class Registry:
             raise failed
         # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall
         # (docs/performance.md); job_queue_size is bounded in the front instead (Model.pending).
-        options = [*self.build_options, "--max-batch-size", str(model.batch_size), "--max-batch-delay-ms",
-                   str(model.max_batch_delay)]
-        built, result = build_registered(model.info, model.handler_override, model.triton, self.cache, options,
-                                         self.log)
+        request = self.build_request.but(name=model.triton, max_batch_size=model.batch_size,
+                                 max_batch_delay_ms=model.max_batch_delay)
+        built, result = build_registered(model.info, model.handler_override, request, self.cache, self.log)
         in_use = {built} | {m.built for m in self.all() if m.built} | {m.explainer_built for m in self.all()}
         for removed in prune(self.cache, in_use - {None}):
             self.log(f"build cache: removed {removed.name} (unused; {KEEP_UNUSED_BUILDS} kept)")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from common.build_request import BuildRequest
 from common.procs import port_free
 from server.errors import ServerError
 from server.supervisor import Supervisor
@@ -27,10 +28,6 @@ from server.torchserve.registry import Registry
 from server.torchserve.replies import TorchServeHeaders
 from server.torchserve.replies import Tokens
 from server.triton import TritonServer
-
-# TorchServe's trust: the model store is the operator's, and allowed_urls says what else a registration may fetch
-# (archives.locate); an archive admitted by them runs its code, as TorchServe runs it (docs/security.md).
-TRUST = ("--trust-model-code",)
 
 
 def configure(args, log=print) -> Settings:
@@ -174,13 +171,14 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         shutil.rmtree(repository, ignore_errors=True)
         log(f"serve-repo: error: {exc}", error=True)
         return 1
-    build_options = [*(["--precision", args.precision] if args.precision else []),
-                     *(["--engine", args.engine] if args.engine else []),
-                     *TRUST, *(["--handler-path"] if args.handler_path else [])]
+    # TorchServe's trust: the model store is the operator's, and allowed_urls says what else a registration may
+    # fetch (archives.locate); an archive admitted by them runs its code, as TorchServe runs it (docs/security.md).
+    build = BuildRequest(precision=args.precision or None, engine=args.engine or None, trust_model_code=True,
+                         handler_path=bool(args.handler_path))
     if (config.default_workers or 0) > config.max_workers:
         log(f"config.properties: default_workers_per_model={config.default_workers} is over max_workers_per_model="
             f"{config.max_workers}: {config.max_workers} per model")
-    registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build_options,
+    registry = Registry(server, config.model_store, config.model_store / ".triton" / "cache", build,
                         config.default_workers, config.job_queue_size, log, config.response_timeout,
                         config.max_workers, canary=args.canary == "on", startup_timeout=config.startup_timeout,
                         allowed_urls=config.allowed_urls, max_pixels=config.max_pixels)
