@@ -39,6 +39,35 @@ CRASHING_BODY = (b'{"inputs":[{"name":"IMAGE","shape":[100000,3,224,224],"dataty
 WRAPPING_BODY = b'{"inputs":[{"name":"IMAGE","shape":[0,18446744073709551615],"datatype":"FP32","data":[]}]}'
 
 
+SEED = 0  # the drills' random weights (build-repo --weights random --seed SEED)
+
+
+def build_small_repo(model: str, into: Path, instances: int = 1) -> Path:
+    """Random weights (seed SEED) in fp32: the drills compare answers with in-process torch within 1e-4."""
+    from builder import cli as build_repo
+
+    repo = into / "repo"
+    status = build_repo.main(["--model", model, "--weights", "random", "--seed", str(SEED), "--output", str(repo),
+                              "--kind", "cpu", "--instances", str(instances), "--precision", "fp32"])
+    if status:
+        raise SystemExit(f"build-repo failed ({status})")
+    return repo
+
+
+def reference_for(model_name: str, seed: int = SEED):
+    """What `build-repo --weights random --seed SEED` serves, in-process: batch -> logits."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(seed)
+    model = torchvision.models.get_model(model_name, weights=None).eval()
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return model(torch.from_numpy(np.ascontiguousarray(batch, dtype=np.float32))).numpy()
+    return run
+
+
 def image(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, 3, 224, 224)).astype(np.float32)
 
@@ -234,8 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON to write.")
     args = p.parse_args(argv)
 
-    from drills.loadtest import SEED, build_small_repo
-    from drills.mixed import reference_for
     from perf.bench import machine
 
     reference = reference_for(args.model, SEED)

@@ -20,7 +20,7 @@ from functools import partial
 from pathlib import Path
 
 from common.cli import OneLineParser, write_result
-from drills.faults import CRASHING_BODY, WRAPPING_BODY, image
+from drills.faults import CRASHING_BODY, SEED, WRAPPING_BODY, build_small_repo, image, reference_for
 from perf.load import interleaved
 from perf.serve import ServeRepo
 from drills.traffic import STREAMS, capacity, drill, infer, kill_tritonserver, references
@@ -97,8 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON to write. Default: print only.")
     args = p.parse_args(argv)
 
-    from drills.loadtest import SEED, build_small_repo
-    from drills.mixed import reference_for
     from perf.bench import machine
 
     tensor_reference = reference_for(args.model, SEED)(image(0))

@@ -29,7 +29,7 @@ import numpy as np
 
 from common import names
 from common.cli import OneLineParser, write_result
-from drills.faults import CRASHING_BODY, TOLERANCE, image
+from drills.faults import CRASHING_BODY, SEED, TOLERANCE, build_small_repo, image, reference_for
 from drills.outcomes import Outcome, summary
 from perf.load import OpenLoop, closed_loop
 from perf.serve import ServeRepo
@@ -292,8 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="JSON to write.")
     args = p.parse_args(argv)
 
-    from drills.loadtest import SEED, build_small_repo
-    from drills.mixed import reference_for
     from perf.bench import machine
 
     tensor_reference = reference_for(args.model, SEED)(image(0))

@@ -127,16 +127,29 @@ def test_readme_short_map_names_every_top_level_folder_when_read():
     assert not missing, f"top-level folders missing from the README's map: {sorted(missing)}"
 
 
+def _removed_scripts(line: str) -> str:
+    """The text of the removed scripts a line names as `git show COMMIT:PATH` (a results README's row for a file
+    whose script is gone), as of that commit: the command beside it is checked against the script that ran it."""
+    shown = [subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True).stdout
+             for commit, path in re.findall(r"git show ([0-9a-f]{7,40}):([\w./-]+\.(?:py|sh))", line)]
+    return b"\n".join(shown).decode(errors="replace")
+
+
 def test_every_documented_flag_is_in_the_code_when_the_docs_are_read():
     """Issue 53: a flag the docs name (`--keep-snapshots`, a tritonserver flag serve-repo passes, a script's option)
-    is in a parser, a script or a command line of the project: one that disappears from the code fails here."""
+    is in a parser, a script or a command line of the project: one that disappears from the code fails here. On a
+    line naming a removed script (`git show COMMIT:PATH`), that script as of that commit counts as code too."""
     code = "\n".join(p.read_text(errors="replace") for p in _files()
                      if p.suffix in (".py", ".sh", ".yaml", ".toml") or p.name in ("Makefile", "Dockerfile"))
-    named = {flag for md in _markdown() if md.name != "CHANGELOG.md"
-             for span in re.findall(r"`([^`\n]+)`", md.read_text())
-             for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", span)}
-    missing = sorted(flag for flag in named - OTHER_TOOLS_FLAGS
-                     if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", code))
+    named, missing = set(), set()
+    for md in _markdown():
+        for line in md.read_text().splitlines() if md.name != "CHANGELOG.md" else ():
+            flags = {flag for span in re.findall(r"`([^`\n]+)`", line)
+                     for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]+)", span)} - OTHER_TOOLS_FLAGS
+            named |= flags
+            where = code + _removed_scripts(line) if "git show" in line else code
+            missing |= {flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", where)}
+    missing = sorted(missing)
     assert len(named) > 50 and not missing, f"flags the docs name and the code lacks: {missing}"
 
 

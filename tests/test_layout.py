@@ -26,6 +26,9 @@ ROOMS = set(ALLOWED) | {"tests"}
 # Inside a version folder the backends import their helpers by bare name (the folder is on sys.path).
 BUNDLED = {name.removesuffix(".py") for name in {**CLASSIFIER_FILES, **PREPROCESS_FILES, **FUSED_FILES, **HANDLER_FILES}}
 MAX_LINES = 350
+# Issue 53: the benches and drills together (7,154 lines before it), kept by folding or removing one-off scripts whose
+# question is answered (their results stay, the results READMEs name the commit to read them from).
+MAX_MEASURE_LINES = 6000
 
 
 def _modules(room: str) -> list:
@@ -62,6 +65,11 @@ def test_modules_are_short_and_say_what_they_do_when_read(room):
         assert len(text.splitlines()) <= MAX_LINES, f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines"
         assert ast.get_docstring(ast.parse(text)), f"{path.relative_to(ROOT)} has no docstring"
 
+
+def test_benches_and_drills_stay_within_their_line_budget_when_counted():
+    counted = [path for room in ("perf", "drills") for path in _modules(room)]
+    total = sum(len(path.read_text().splitlines()) for path in counted)
+    assert len(counted) > 20 and total <= MAX_MEASURE_LINES, f"perf/ + drills/: {total} lines (at most {MAX_MEASURE_LINES})"
 
 def test_no_script_kills_processes_by_pattern_when_the_tree_is_searched():
     """Kill by pid: killing by a name pattern also ends other people's servers on a shared machine."""
