@@ -35,8 +35,11 @@ $(VENV)/.installed: pyproject.toml tools/install_perf_analyzer.sh tools/install_
 demo: setup
 	$(BIN)/python -m clients.demo
 
+# Each test file on one of TEST_WORKERS workers (pytest-xdist): most of a test's time is a server starting or waiting,
+# so the 2-core machine runs several files at once; a file's module fixtures stay in one process.
+TEST_WORKERS ?= 4
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # Strict: any warning (a broken reference, a page missing from the toctree) fails the build.
 docs: setup

@@ -1,6 +1,7 @@
 """Shared fixtures: a repository built by build-repo, a real tritonserver serving it, and a way to start more."""
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,9 +15,18 @@ from support import LARGE, SMALL, build, reference_model
 
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory) -> Path:
-    repo = tmp_path_factory.mktemp("repo") / "model_repository"
-    build(repo, "--max-batch-size", "8", "--max-queue-delay-us", "2000")
-    build(repo, "--max-batch-size", "8", model=LARGE)
+    """Built once for the whole run: with pytest-xdist's workers, by the first that asks, in their common folder
+    (the others wait on the lock); the tests read it, or copy what they change."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    repo, done = shared / "shared-repo" / "model_repository", shared / "shared-repo" / "built"
+    with open(shared / "shared-repo.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            build(repo, "--max-batch-size", "8", "--max-queue-delay-us", "2000", "--force")
+            build(repo, "--max-batch-size", "8", "--force", model=LARGE)
+            done.touch()
     return repo
 
 
