@@ -36,10 +36,12 @@ demo: setup
 	$(BIN)/python -m clients.demo
 
 # Each test file on one of TEST_WORKERS workers (pytest-xdist): most of a test's time is a server starting or waiting,
-# so the 2-core machine runs several files at once; a file's module fixtures stay in one process.
+# so the 2-core machine runs several files at once; a file's module fixtures stay in one process. Then the drills
+# marked serial (recovery measured in a window of seconds), alone.
 TEST_WORKERS ?= 4
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 # Strict: any warning (a broken reference, a page missing from the toctree) fails the build.
 docs: setup

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,6 +13,17 @@ import torch
 
 from server.triton import TritonServer
 from support import LARGE, SMALL, build, reference_model
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's own temporary folder (TMPDIR, for its subprocesses too): tools that stage in
+    $TMPDIR/NAME (torch-model-archiver: $TMPDIR/MODEL_NAME) must not meet another worker's run of the same name."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        own = tempfile.mkdtemp(prefix=f"xd-{worker}-")
+        os.environ["TMPDIR"] = own
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+        config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")

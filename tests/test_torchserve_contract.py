@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
+from common.build_request import BuildRequest
 from common.build_result import BuildResult, BuiltModel
 from common.modelconfig import read_config, to_text
 from server.torchserve.archives import ArchiveInfo, build
@@ -66,7 +67,7 @@ def test_the_front_takes_build_repos_error_from_its_json_and_a_model_its_role_fr
     info = ArchiveInfo(bogus, "bogus.mar", "bogus", "1.0", "", None, "0" * 64)
     logged = []
     with pytest.raises(Refusal) as failed:
-        build(info, "bogus", tmp_path / "cache", [], logged.append)
+        build(info, BuildRequest(name="bogus"), tmp_path / "cache", logged.append)
     assert str(failed.value).startswith("Failed to load model bogus: ") and "bogus.mar" in str(failed.value)
     assert not any(p.is_dir() for p in (tmp_path / "cache").iterdir())  # nothing left in the cache
     model = Model("h", "1.0", info, "h", 1, 100, 1, 120, False, result=BuildResult("/r", (BuiltModel("h", "handler"),)))

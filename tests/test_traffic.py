@@ -16,6 +16,9 @@ from drills import traffic
 from drills.faults import image
 from support import SMALL, reference_logits
 
+# Each drill measures its recovery in a window of seconds: run alone (`make test` runs serial files after the rest).
+pytestmark = pytest.mark.serial
+
 
 def _repo(repository: Path, into: Path, instances: int) -> Path:
     for model in repository.glob(f"{SMALL}*"):
