@@ -35,13 +35,16 @@ $(VENV)/.installed: pyproject.toml tools/install_perf_analyzer.sh tools/install_
 demo: setup
 	$(BIN)/python -m clients.demo
 
-# Each test file on one of TEST_WORKERS workers (pytest-xdist): most of a test's time is a server starting or waiting,
-# so the 2-core machine runs several files at once; a file's module fixtures stay in one process. Then the drills
-# marked serial (recovery measured in a window of seconds), alone.
-TEST_WORKERS ?= 4
+# TEST_WORKERS=N (N > 0): each test file on one of N pytest-xdist workers (--dist loadfile), then the files marked
+# serial, alone. Off by default: measured on the 2-core machine it is not yet green (see docs/contributing.md).
+TEST_WORKERS ?= 0
 test: setup
+ifeq ($(TEST_WORKERS),0)
+	$(BIN)/python -m pytest -q
+else
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(BIN)/python -m pytest -q -m serial
+endif
 
 # Strict: any warning (a broken reference, a page missing from the toctree) fails the build.
 docs: setup

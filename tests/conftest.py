@@ -21,6 +21,7 @@ def pytest_configure(config):
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         own = tempfile.mkdtemp(prefix=f"xd-{worker}-")
+        os.chmod(own, 0o1777)  # as /tmp: linkchecker, run as root, reads as nobody (tests/test_docs_site.py)
         os.environ["TMPDIR"] = own
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
         config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
