@@ -3,7 +3,7 @@
 spells build-repo's command line (tests/test_layout.py parses it back with build-repo's own parser)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -18,9 +18,6 @@ class BuildRequest:
     archive: Path | None = None  # --from-mar
     name: str | None = None  # the Triton name
     output: Path | None = None
-
-    def but(self, **changes) -> BuildRequest:
-        return replace(self, **changes)
 
     def options(self) -> list[str]:
         """The build's options (what makes two builds of one archive differ): the build cache's key."""

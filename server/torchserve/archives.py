@@ -255,7 +255,7 @@ def build(info: ArchiveInfo, request: BuildRequest, cache: Path, log=print) -> t
         pass
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=cache))
-    command = [sys.executable, "-m", "builder.cli", *request.but(archive=info.path, output=staging / "repo").to_argv()]
+    command = [sys.executable, "-m", "builder.cli", *replace(request, archive=info.path, output=staging / "repo").to_argv()]
     log(f"building {triton_name} from {info.path.name}: build-repo {' '.join(command[3:])}")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}

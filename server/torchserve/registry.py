@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from common.build_request import BuildRequest
@@ -22,13 +23,13 @@ from server.triton import TritonServer
 
 
 class Registry:
-    def __init__(self, server: TritonServer, store: Path, cache: Path, build: BuildRequest,
+    def __init__(self, server: TritonServer, store: Path, cache: Path, build_request: BuildRequest,
                  default_workers: int | None, job_queue_size: int, log=print, response_timeout: int = 120,
                  max_workers: int = 1, canary: bool = True, startup_timeout: int = 120,
                  allowed_urls: tuple[str, ...] | None = None, max_pixels: int | None = None):
         self.canary = canary  # one checked request before a registration or a scale answers (server/canary.py)
         self.server, self.store, self.cache, self.log = server, store, cache, log
-        self.build_request, self.default_workers = build, default_workers  # serve-repo's flags
+        self.build_request, self.default_workers = build_request, default_workers  # serve-repo's flags
         self.job_queue_size = job_queue_size
         self.max_workers = max_workers  # max_workers_per_model: what any registration or scale may start
         self.response_timeout = response_timeout  # seconds, where a registration names none
@@ -142,8 +143,8 @@ class Registry:
             raise failed
         # No --max-queue-size: a Triton queue policy brings back its batcher's 500 ms stall
         # (docs/performance.md); job_queue_size is bounded in the front instead (Model.pending).
-        request = self.build_request.but(name=model.triton, max_batch_size=model.batch_size,
-                                 max_batch_delay_ms=model.max_batch_delay)
+        request = replace(self.build_request, name=model.triton, max_batch_size=model.batch_size,
+                          max_batch_delay_ms=model.max_batch_delay)
         built, result = build_registered(model.info, model.handler_override, request, self.cache, self.log)
         in_use = {built} | {m.built for m in self.all() if m.built} | {m.explainer_built for m in self.all()}
         for removed in prune(self.cache, in_use - {None}):
