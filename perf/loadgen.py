@@ -10,7 +10,7 @@ import tritonclient.http as httpclient
 from common.contract import IMAGE as INPUT, IMAGE_BYTES, LOGITS as OUTPUT
 from common.modelconfig import from_json, served, to_json
 from perf.load import closed_loop
-from perf.stats import counters
+from perf.stats import counters, settled_counters
 
 
 @dataclass
@@ -80,7 +80,7 @@ def run_load(url: str, model: str, concurrency: int, seconds: float, image: np.n
     before = []
     load = closed_loop(infer_client(url, model, image), concurrency, seconds, warmup=warmup, rate=rate,
                        at_measure=lambda: before.append(counters(stats_client, stats_model or model)))
-    interval = counters(stats_client, stats_model or model) - before[0]
+    interval = settled_counters(stats_client, stats_model or model) - before[0]
     found = load.summary()
     return Point(config=label, concurrency=concurrency, requests=found["requests"], errors=found["errors"],
                  seconds=seconds, throughput=found["images_per_s"] or float("nan"),

@@ -1,6 +1,7 @@
 """Triton's statistics API and the backends' own stage split, read once: snapshots and their differences."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 # The stages of a request's time in Triton's statistics (ns totals over successful requests).
@@ -44,6 +45,22 @@ def counters(client, model: str) -> Counters:
                     int(stages.get("success", {}).get("count", 0)),
                     {stage: int(stages.get(stage, {}).get("ns", 0)) for stage in STAGES})
 
+
+
+def settled_counters(client, model: str, wait_s: float = 2.0) -> Counters:
+    """The counters once the last requests' updates have landed: two reads 50 ms apart that agree (at most
+    `wait_s`). Triton counts an execution when its batch ends but each inference when its response is released,
+    after the client already has it: read at once, the end of a load can show one execution ahead of its
+    inferences (CI read 14 inferences over 15 executions)."""
+    now = counters(client, model)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        again = counters(client, model)
+        if again == now:
+            break
+        now = again
+    return now
 
 # The backends' measurement mode (config parameter stage_timing=FOLDER, backends/stage_clock.py): per-stage totals.
 @dataclass(frozen=True)

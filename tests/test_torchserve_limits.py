@@ -98,7 +98,7 @@ def test_a_download_that_is_no_archive_or_is_cut_off_never_enters_the_model_stor
     import http.server
     import threading
 
-    from server.torchserve.archives import locate
+    from server.torchserve.model_store import locate
     from server.torchserve.refusals import Refusal
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -142,7 +142,7 @@ def test_a_download_is_never_reused_or_replaced_by_its_file_name_when_another_ho
     import http.server
     import threading
 
-    from server.torchserve.archives import locate
+    from server.torchserve.model_store import locate
     from server.torchserve.refusals import Refusal
 
     hosts = []
@@ -177,7 +177,7 @@ def test_a_registration_url_stays_in_the_store_and_allowed_urls_and_off_this_mac
     """Issue 42 B8, with TorchServe 0.12's rules (checked against it in tests/test_torchserve_api.py): a path is a
     file in the model store (`..` refused, an absolute path outside it not found), a URL must match allowed_urls, and an http(s)
     URL to this machine (loopback, link-local, unspecified) is refused unless allowed_urls was configured."""
-    from server.torchserve.archives import locate
+    from server.torchserve.model_store import locate
     from server.torchserve.refusals import Refusal
 
     store = tmp_path / "store"

@@ -12,7 +12,7 @@ from common import names
 from common.contract import IMAGE_INPUTS
 from perf.gpu.engine import sample
 from perf.load import closed_loop
-from perf.stats import STAGES, counters, stage_split
+from perf.stats import STAGES, counters, settled_counters, stage_split
 
 
 def connect(url, model, kind, payload, index):
@@ -78,7 +78,7 @@ def run_load(url, model, kind, payload, concurrency, seconds, processes, warmup=
 
     found = closed_loop(functools.partial(connect, url, model, kind, payload), concurrency, seconds, warmup=warmup,
                         processes=processes, at_measure=at_measure)
-    interval = counters(stats, target) - before["counters"]
+    interval = settled_counters(stats, target) - before["counters"]
     split = (stage_split(split_folder, target) - before["split"]) if split_folder else None
     rows = payload["shape"][0] if kind == "tensor" and len(payload["shape"]) == 4 else 1
     # Triton's own split of each request's time (per request, ms): where a slow point spends it.

@@ -12,10 +12,10 @@ from pathlib import Path
 from common.build_request import BuildRequest
 from server import canary
 from server.errors import ServerError
-from server.torchserve.archives import (KEEP_UNUSED_BUILDS, adopted, build_registered, copied,
-                                        inspect, link, locate, prune)
+from server.torchserve.archives import KEEP_UNUSED_BUILDS, build_registered, inspect, link, prune
 from server.torchserve.explainers import Explainers
 from server.torchserve.loading import remove, wait_unloaded, write_config
+from server.torchserve.model_store import adopted, copied, locate
 from server.torchserve.naming import refusal, triton_base, triton_names
 from server.torchserve.registration import Model
 from server.torchserve.refusals import Refusal

@@ -172,7 +172,7 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
         log(f"serve-repo: error: {exc}", error=True)
         return 1
     # TorchServe's trust: the model store is the operator's, and allowed_urls says what else a registration may
-    # fetch (archives.locate); an archive admitted by them runs its code, as TorchServe runs it (docs/security.md).
+    # fetch (model_store.locate); an archive admitted by them runs its code, as TorchServe runs it (docs/security.md).
     build = BuildRequest(precision=args.precision or None, engine=args.engine or None, trust_model_code=True,
                          handler_path=bool(args.handler_path))
     if (config.default_workers or 0) > config.max_workers:
