@@ -246,6 +246,8 @@ def test_a_restored_model_whose_workers_fail_to_start_stays_registered_as_record
         described_beta = json.loads(call("GET", f"{front.management_url}/models/beta")[1])[0]
         assert (described_beta["minWorkers"], described_beta["maxWorkers"], described_beta["workers"]) == (2, 3, [])
         assert front.seen("serve-repo: restored beta 1.0 with no worker running: its workers did not start")
+        # written once the API is up (as TorchServe writes it): awaited, not assumed (a loaded machine lags)
+        front.wait_for("config snapshots: ", 60)
         startup = next(path for path in written(target) if path.name.endswith("-startup.cfg"))
         assert model_snapshot(startup)["models"]["beta"]["1.0"]["minWorkers"] == 2
     finally:
