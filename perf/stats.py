@@ -46,7 +46,6 @@ def counters(client, model: str) -> Counters:
                     {stage: int(stages.get(stage, {}).get("ns", 0)) for stage in STAGES})
 
 
-
 def settled_counters(client, model: str, wait_s: float = 2.0) -> Counters:
     """The counters once the last requests' updates have landed: two reads 50 ms apart that agree (at most
     `wait_s`). Triton counts an execution when its batch ends but each inference when its response is released,
@@ -61,6 +60,7 @@ def settled_counters(client, model: str, wait_s: float = 2.0) -> Counters:
             break
         now = again
     return now
+
 
 # The backends' measurement mode (config parameter stage_timing=FOLDER, backends/stage_clock.py): per-stage totals.
 @dataclass(frozen=True)
