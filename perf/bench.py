@@ -5,6 +5,7 @@ import argparse
 import csv
 import json
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()
+        if not args.repository:
+            shutil.rmtree(repo.parent, ignore_errors=True)  # the repository it built for this run
     result = {"model": model, "engines": engines, "seconds_per_point": seconds,
               "configs": [list(c) for c in configs], "machine": machine(),
               "command": " ".join(["python -m perf.bench", *(argv if argv is not None else sys.argv[1:])]),

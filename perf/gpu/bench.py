@@ -6,6 +6,7 @@ Clients are processes sending one image per gRPC request (perf.gpu.load); tensor
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -155,6 +156,15 @@ def _jpeg(client, server, base, best, args, result):
 
 
 def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
+    try:
+        return _bench(args, argv, repo)
+    finally:
+        shutil.rmtree(repo.parent, ignore_errors=True)  # the built repository and its weights (~135 MB)
+
+
+def _bench(args, argv, repo: Path) -> int:
     import torch
     import tritonclient.grpc as grpcclient
 
@@ -162,8 +172,6 @@ def main(argv=None) -> int:
     from perf.gpu.weights import calibrated_weights
     from server.triton import TritonServer
 
-    args = parser().parse_args(argv)
-    repo = Path(tempfile.mkdtemp(prefix="gpubench-")) / "repo"
     args.split_folder = repo.parent / "stage-split"  # the classifier's measurement mode writes here
     first = next((item.split(":") for item in args.plan if ":" in item), ["fp32", "0"])
     weights = calibrated_weights(args.model, repo.parent, "cuda" if args.kind == "gpu" else "cpu")

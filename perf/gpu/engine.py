@@ -112,9 +112,14 @@ def round_step(ctx) -> None:
         ("resnet18", ("fp32",), (False,), (1, 2), 0.3) if ctx.dry_run else
         ("resnet152", PRECISIONS, (False, True), BATCHES, 1.0))
     folder = Path(tempfile.mkdtemp(prefix="engine-weights-"))
-    weights = calibrated_weights(model, folder, ctx.device)
-    ctx.details.update(model=model, seconds_per_point=seconds)
-    points = ctx.details["points"] = engine_table(model, weights, ctx.device, precisions, graphs, batches, seconds)
+    try:
+        weights = calibrated_weights(model, folder, ctx.device)
+        ctx.details.update(model=model, seconds_per_point=seconds)
+        points = ctx.details["points"] = engine_table(model, weights, ctx.device, precisions, graphs, batches, seconds)
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
     (ctx.out / "engine.json").write_text(json.dumps({"model": model, "points": points}, indent=2) + "\n")
     if not points or any(not p["images_per_s"] > 0 for p in points):
         raise StepFailed("an engine point measured nothing")
