@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import json
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -22,12 +24,20 @@ def shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {key: tuple(value.shape) for key, value in state.items()}
 
 
-def match_torchvision(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
+def match_torchvision(state: dict[str, torch.Tensor], hint: str = "") -> tuple[str, int] | None:
     """(torchvision model, number of classes) whose state_dict has exactly these keys and shapes, if one
-    does. Nothing from the weights' origin runs: each candidate is built empty from torchvision's code."""
-    wanted = shapes(state)
+    does. Nothing from the weights' origin runs: each candidate is built empty from torchvision's code.
+    `hint` (a model file's text): the candidates of the torchvision modules it names are tried first. No two
+    torchvision classifiers have the same keys and shapes (tests/test_migrate.py), so the order changes only the
+    time it takes, not the answer."""
+    return _match(tuple(shapes(state).items()), hint)
+
+
+@functools.lru_cache(maxsize=8)  # a TorchScript archive is matched twice in one build (sources.unmatched_torchscript)
+def _match(items: tuple, hint: str) -> tuple[str, int] | None:
+    wanted = dict(items)
     head = [shape[0] for shape in wanted.values() if len(shape) == 1]
-    for name in classification_models():
+    for name in hinted_first(classification_models(), hint):
         candidate = _empty_shapes(name, 1000)
         if candidate is None or candidate.keys() != wanted.keys():
             continue
@@ -37,6 +47,16 @@ def match_torchvision(state: dict[str, torch.Tensor]) -> tuple[str, int] | None:
         if head and _empty_shapes(name, head[-1]) == wanted:
             return name, head[-1]
     return None
+
+
+def hinted_first(names: list[str], hint: str) -> list[str]:
+    """`names` with those whose torchvision module `hint` names (`torchvision.models.resnet`, `models.resnet`)
+    first, each group in its own order."""
+    named = set(re.findall(r"models\.(\w+)", hint))
+    if not named:
+        return names
+    first = [n for n in names if torchvision.models.get_model_builder(n).__module__.rpartition(".")[2] in named]
+    return first + [n for n in names if n not in first]
 
 
 def added_behaviour(model_file: Path) -> str | None:
@@ -73,11 +93,12 @@ def _only_super_init(init: ast.FunctionDef) -> bool:
 
 
 def _empty_shapes(name: str, num_classes: int) -> dict[str, tuple[int, ...]] | None:
-    """Parameter and buffer shapes of `name`, built without memory (meta device, or without init)."""
+    """Parameter and buffer shapes of `name`, built without memory (meta device) and without init: torch.nn.init on
+    meta tensors still runs its Python reference code, half the time of matching torchvision's 80 models."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            with torch.device("meta"):
+            with torch.device("meta"), _no_init():
                 model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
         except Exception:  # regnet computes its widths with tensors: build on CPU, skipping initialization
             try:

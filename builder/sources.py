@@ -53,7 +53,7 @@ def _from_archive(plan: Plan, archive: mar.Archive, labels) -> Classifier:
         labels = custom.load_labels(archive.labels_file)
     label = f"{archive.path.name}:{archive.serialized_file.name}"
     source = f"TorchServe archive {archive.path.name} (handler {archive.handler})"
-    match = None if plan.model_class else custom.match_torchvision(state)
+    match = None if plan.model_class else custom.match_torchvision(state, _text(archive.model_file))
     behaviour = custom.added_behaviour(archive.model_file) if match and archive.model_file else None
     if match is not None and behaviour is None:
         architecture, classes = match
@@ -73,6 +73,13 @@ def _from_archive(plan: Plan, archive: mar.Archive, labels) -> Classifier:
                                "from it was run)")
     code = ModelCode(archive.model_file, plan.model_class or "", tuple(archive.extra_files))
     return custom.code_classifier(code, state, plan.name, label, plan.preprocessing, labels, source)
+
+
+def _text(path: Path | None) -> str:
+    try:
+        return path.read_text(errors="replace") if path is not None else ""
+    except OSError:
+        return ""
 
 
 def describe(c: Classifier) -> str:

@@ -27,6 +27,20 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
 
 
+# The longest files (wall seconds with 2 workers, 2-core machine, 2026-11-28), started first under pytest-xdist: each
+# file runs whole on one worker (--dist loadfile), so a long one left to the end runs alone while the other worker
+# idles. The default serial run keeps pytest's order.
+LONGEST_FIRST = ("test_torchserve_api.py", "test_torchserve_parity.py", "test_migrate.py", "test_proxy.py",
+                 "test_torchserve_snapshots.py", "test_cpu_image.py", "test_torchserve_grpc.py",
+                 "test_torchserve_examples.py", "test_torchserve_trust.py", "test_torchserve_explain.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts the same way, as xdist requires
+        rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory) -> Path:
     """Built once for the whole run: with pytest-xdist's workers, by the first that asks, in their common folder

@@ -16,8 +16,10 @@ import torch
 import torchvision
 
 from builder import cli as build_repo
+from builder import custom
 from common.modelconfig import read_config
 from builder.custom import added_behaviour, load_labels, match_torchvision
+from builder.weights import classification_models
 from clients import classify
 from examples.migrate_torchserve import (EFFICIENTNET_MODEL, efficientnet_module, efficientnet_state, make_archive,
                                      torchserve_labels, torchserve_top5)
@@ -400,6 +402,16 @@ def test_torchvision_architecture_is_recognised_from_weights_alone_when_keys_and
         "mobilenet_v3_small", 7)
     assert match_torchvision(efficientnet_state()) is None
     assert match_torchvision(_tiny_module().state_dict()) is None
+    # a model file's imports put their module's candidates first; a misleading one changes nothing but the time
+    resnet = torchvision.models.resnet18(num_classes=3).state_dict()
+    for hint in ("from torchvision.models.resnet import BasicBlock, ResNet", "import torchvision.models.vgg", ""):
+        assert match_torchvision(resnet, hint) == ("resnet18", 3), hint
+
+
+def test_no_two_torchvision_classifiers_have_the_same_keys_and_shapes_so_the_match_order_changes_no_answer():
+    signatures = {name: custom._empty_shapes(name, 1000) for name in classification_models()}
+    assert len(signatures) >= 80 and all(signatures.values())
+    assert len({tuple(shapes.items()) for shapes in signatures.values()}) == len(signatures)
 
 
 @pytest.mark.parametrize("content, expected", [
