@@ -10,6 +10,7 @@ runs it with no copy in or out, which is what a served batch could reach if serv
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -75,8 +76,6 @@ def engine_on_device(runner, rows: int, seconds: float) -> float:
 
 def engine_table(model: str, weights: Path, device: str, precisions, graphs, batches, seconds: float) -> list[dict]:
     """img/s of the engine alone for each precision x graphs x batch, the batch already on `device`."""
-    import shutil
-
     import torch
 
     from backends.classifier import build_runner
@@ -117,8 +116,6 @@ def round_step(ctx) -> None:
         ctx.details.update(model=model, seconds_per_point=seconds)
         points = ctx.details["points"] = engine_table(model, weights, ctx.device, precisions, graphs, batches, seconds)
     finally:
-        import shutil
-
         shutil.rmtree(folder, ignore_errors=True)
     (ctx.out / "engine.json").write_text(json.dumps({"model": model, "points": points}, indent=2) + "\n")
     if not points or any(not p["images_per_s"] > 0 for p in points):
