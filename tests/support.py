@@ -1,6 +1,7 @@
 """What the tests share besides fixtures: the models they build, in-process references, error measures."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,3 +39,19 @@ def reference_logits(model: torch.nn.Module, images: np.ndarray) -> np.ndarray:
 def relative_error(served: np.ndarray, expected: np.ndarray) -> float:
     """Largest deviation relative to the output's scale (elementwise ratios explode near zero)."""
     return float(np.abs(served - expected).max() / np.abs(expected).max())
+
+
+def inferences(http_url: str, model: str, at_least: int = 0, timeout: float = 30.0) -> int:
+    """Triton's `inference_count` of `model` once it has settled. Triton reports a request's statistics after
+    its response has gone out (python_backend: when execute returns), so a count read just after an answer may
+    still lack it: wait until the count is at least `at_least` and reads the same twice, 0.2 s apart."""
+    import tritonclient.http as httpclient
+
+    client, last, deadline = httpclient.InferenceServerClient(http_url), None, time.monotonic() + timeout
+    while True:
+        stats = client.get_inference_statistics(model)["model_stats"][0]
+        count = int(stats.get("inference_count", 0))
+        if (count >= at_least and count == last) or time.monotonic() > deadline:
+            return count
+        last = count
+        time.sleep(0.2)

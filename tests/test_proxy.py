@@ -27,7 +27,7 @@ from drills.faults import CRASHING_BODY, WRAPPING_BODY, running
 from perf.serve import ServeRepo
 from images import CAT
 from server.proxy import Proxy, ProxySettings
-from support import SMALL, build
+from support import SMALL, build, inferences
 from test_serve_repo import needs_ipv6
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,8 +165,9 @@ def test_proxy_refuses_grpc_inference_the_model_does_not_declare_naming_the_rule
     request = pb.ModelInferRequest(model_name=SMALL)
     request.inputs.add(name="IMAGE", datatype="FP32", shape=[1, 3, 224, 224])
     request.raw_input_contents.append(b"\0" * 602112)
+    start = _inferences(server)
     assert _grpc_unary(proxy.grpc_url, request) == ("OK", "")  # honest, as built
-    before = _inferences(server)
+    before = _inferences(server, start + 1)  # Triton counts it just after it answers: wait for the count
     mutate(request)
     code, details = _grpc_unary(proxy.grpc_url, request)
     assert (code, details.split(":")[0]) == ("INVALID_ARGUMENT", f"proxy rule {rule}"), details
@@ -219,9 +220,8 @@ def test_proxy_caps_the_body_when_it_is_larger_than_configured(proxy):
     with pytest.raises(InferenceServerException, match="body-limit"):
         httpclient.InferenceServerClient(proxy.http_url).infer(SMALL, [big])
 
-def _inferences(server) -> int:
-    stats = httpclient.InferenceServerClient(server.http_url).get_inference_statistics(SMALL)
-    return int(stats["model_stats"][0]["inference_count"])
+def _inferences(server, at_least: int = 0) -> int:
+    return inferences(server.http_url, SMALL, at_least)
 
 
 def test_proxy_caps_a_grpc_message_by_the_length_it_declares_when_larger_than_configured(server, proxy, tmp_path):
