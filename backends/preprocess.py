@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.utils.dlpack import to_dlpack
-from torchvision.io import ImageReadMode, decode_jpeg
 try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton, e.g. by tests and perf to run the same preprocessing
@@ -133,6 +132,14 @@ def preprocessed(preprocess: "Preprocessor", requests) -> tuple[list, list]:
     return responses, per_request
 
 
+def decode_jpeg(data, mode: str, device: torch.device):
+    """torchvision.io.decode_jpeg (nvJPEG on a GPU), torchvision imported at the first call: its import costs ~3.5 s
+    of CPU, which a stub that never decodes tensors (every CPU instance by default) need not pay."""
+    from torchvision.io import ImageReadMode, decode_jpeg as decode
+
+    return decode(data, mode=ImageReadMode[mode], device=device)
+
+
 class Preprocessor:
     """Encoded images -> normalized CHW float tensors on `device`, or the ImageError of each bad one.
 
@@ -146,6 +153,8 @@ class Preprocessor:
     def __init__(self, transform, device: torch.device, tensor_decode: bool, workers: int = 1,
                  decode_budget: int = DEFAULT_GPU_DECODE_BUDGET_MB * 2**20):
         self.transform, self.device, self.tensor_decode = transform, device, tensor_decode
+        if tensor_decode:  # torchvision, loaded before any request, only where its decoder runs
+            getattr(transform, "torchvision", lambda: None)()  # the transform of the decoder's tensors
         self.decode_budget = decode_budget  # bytes of decoded RGB pixels per batched decode_jpeg call
         # PIL releases the GIL while it decodes and resizes: a pool decodes a batch's images in parallel.
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="pil") if workers > 1 else None
@@ -221,13 +230,13 @@ class Preprocessor:
             return []
         tensors = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
         try:
-            return list(decode_jpeg(tensors, mode=ImageReadMode.RGB, device=self.device))
+            return list(decode_jpeg(tensors, mode="RGB", device=self.device))
         except Exception:  # one undecodable file fails the whole batched call
             pass
         images = []
         for tensor in tensors:  # only the culprit falls back to PIL
             try:
-                images.append(decode_jpeg(tensor, mode=ImageReadMode.RGB, device=self.device))
+                images.append(decode_jpeg(tensor, mode="RGB", device=self.device))
             except Exception:
                 images.append(None)
         return images
