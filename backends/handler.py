@@ -8,6 +8,8 @@ STATUS its HTTP status (contract.py's handler tensors).
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 
@@ -21,6 +23,8 @@ from contract import BODY, CONTENT_TYPE, ENTRIES_PARAMETER, RESPONSE, STATUS, ST
 ARCHIVE_DIR = "archive"
 EXPLAIN = "explain"  # the header TorchServe's frontend sets: "True" for an explanation
 DESCRIBE = "describe"  # "True": the handler's describe_handle answers (DescribeModel with customized metadata)
+
+atexit.register(gc.freeze)  # the stub's exit: no last collection of torch's objects (backends/triton_io.py)
 
 
 class TritonPythonModel:

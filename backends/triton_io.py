@@ -4,7 +4,9 @@ build-repo copies this file beside each model.py; it must stay self-contained.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import json
 import os
 import threading
@@ -16,6 +18,9 @@ try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton (tests, perf): only the helpers that need no Triton work
     pb_utils = None
+else:  # a stub's exit: what is alive is left to the OS, no last collection of torch's objects (~0.6 s of CPU, and
+    # Triton waits for the stub to end: a Python model's unload 2.2 -> 1.6 s, resnet18 on the 2-core EPYC)
+    atexit.register(gc.freeze)
 try:  # in Triton: the version folder, which holds copies of these, is on sys.path
     from contract import config_parameters
     from messages import first_line  # noqa: F401 - the backends' one home for it

@@ -303,5 +303,9 @@ def _terminate(signum, frame):
     raise KeyboardInterrupt
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m builder.cli (serve-repo's builds): no last collection at exit (~0.6 s)
+    import atexit
+    import gc
+
+    atexit.register(gc.freeze)
     sys.exit(main())
