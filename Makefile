@@ -36,7 +36,7 @@ demo: setup
 	$(BIN)/python -m clients.demo
 
 # TEST_WORKERS=N (N > 0): each test file on one of N pytest-xdist workers (--dist loadfile), then the files marked
-# serial, alone. 2 by default (the 2-core machine: 40 min for setup and tests, against 61 serially; see
+# serial, alone. 2 by default (the 2-core machine: 33 min for setup and tests, against 61 serially; see
 # docs/contributing.md); TEST_WORKERS=0 runs everything in one process, in pytest's order.
 TEST_WORKERS ?= 2
 test: setup
