@@ -56,21 +56,11 @@ class Classification:
         """The same steps by torchvision (imported here, once): for tensors and the cases not done above."""
         if self._torchvision is None:
             from torchvision.transforms import InterpolationMode
-            from torchvision.transforms import functional as F
             from torchvision.transforms._presets import ImageClassification
 
             full = ImageClassification(crop_size=self.crop_size[0], resize_size=self.resize_size[0], mean=self.mean,
                                        std=self.std, interpolation=InterpolationMode(self.interpolation))
-            if self.normalize:
-                self._torchvision = full
-            else:
-                def pixels(image):
-                    image = F.resize(image, full.resize_size, interpolation=full.interpolation,
-                                     antialias=full.antialias)
-                    image = F.center_crop(image, full.crop_size)
-                    return image if isinstance(image, torch.Tensor) else F.pil_to_tensor(image)
-
-                self._torchvision = pixels
+            self._torchvision = full if self.normalize else _torchvision_pixels(full)
         return self._torchvision
 
 
@@ -90,17 +80,20 @@ def pixels_from_parameters(params: dict[str, str]):
     """The same resize and center crop, stopping at the uint8 pixels [3, crop, crop] that the classifier's
     IMAGE_UINT8 input takes (the server then does the [0, 1] scaling and Normalize on its device)."""
     if "crop_size" not in params:
-        from torchvision.transforms import functional as F
-
-        full = transform_from_parameters(params)
-
-        def pixels(image):
-            image = F.resize(image, full.resize_size, interpolation=full.interpolation, antialias=full.antialias)
-            image = F.center_crop(image, full.crop_size)
-            return image if isinstance(image, torch.Tensor) else F.pil_to_tensor(image)
-
-        return pixels
+        return _torchvision_pixels(transform_from_parameters(params))
     return _classification(params, normalize=False)
+
+
+def _torchvision_pixels(full):
+    """torchvision's resize and center crop of the ImageClassification `full`, stopping at uint8 pixels."""
+    from torchvision.transforms import functional as F
+
+    def pixels(image):
+        image = F.resize(image, full.resize_size, interpolation=full.interpolation, antialias=full.antialias)
+        image = F.center_crop(image, full.crop_size)
+        return image if isinstance(image, torch.Tensor) else F.pil_to_tensor(image)
+
+    return pixels
 
 
 def _classification(params: dict[str, str], normalize: bool) -> Classification:
