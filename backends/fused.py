@@ -28,6 +28,8 @@ except ImportError:
 
 
 class TritonPythonModel(Classifier):
+    HOST_ROWS = False  # its rows are the torch tensors it decodes into
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = model_parameters(config)

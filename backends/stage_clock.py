@@ -20,8 +20,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 FLUSH_S = 0.25  # the totals file is rewritten at most this often (executions and seconds together)
 
 
@@ -57,6 +55,8 @@ class StageClock:
         """A CUDA event recorded now on `stream` (None off the GPU or when off)."""
         if not (self.enabled and self.gpu):
             return None
+        import torch  # only on a GPU: the host path's stubs import no torch
+
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event

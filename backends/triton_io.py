@@ -9,10 +9,9 @@ import faulthandler
 import gc
 import json
 import os
+import sys
 import threading
 import time
-
-import torch
 
 try:
     import triton_python_backend_utils as pb_utils
@@ -47,10 +46,18 @@ def honor_faulthandler() -> None:
 STUB_VISIBLE_DEVICES = "CLASSIFIER_STUB_CUDA_VISIBLE_DEVICES"
 
 
+def on_host(args: dict) -> bool:
+    """This instance runs on the CPU (instance_device would say cpu), told without importing torch."""
+    return args.get("model_instance_kind") != "GPU" and \
+        not model_parameters(json.loads(args.get("model_config") or "{}")).get("cuda_device", "")
+
+
 def instance_device(args: dict) -> torch.device:
     """The device of this instance (model_instance_kind / _device_id), never a bare "cuda". A KIND_CPU
     instance whose config names `cuda_device` N runs on cuda:N: Triton hands it CPU tensors as to any CPU
     instance, and the model moves them to the GPU itself (a way of serving perf.gpu.io_variants.instance_io tries)."""
+    import torch
+
     on_host = model_parameters(json.loads(args.get("model_config") or "{}")).get("cuda_device", "")
     if args.get("model_instance_kind") != "GPU" and not on_host:
         return torch.device("cpu")
@@ -91,7 +98,8 @@ def encoded_elements(requests, name: str) -> tuple[list[bytes], list[int], list]
 
 def device_fault(exc: BaseException) -> bool:
     """A CUDA / cuDNN error: the instance's context is gone, every later batch on it would fail too."""
-    accelerator_error = getattr(torch, "AcceleratorError", ())
+    torch = sys.modules.get("torch")  # a stub that never imported torch raised none of its errors
+    accelerator_error = getattr(torch, "AcceleratorError", ()) if torch is not None else ()
     return isinstance(exc, accelerator_error) or "CUDA error" in str(exc) or "cuDNN error" in str(exc)
 
 

@@ -18,7 +18,7 @@ from common.modelconfig import parameters, read_config
 from common.transforms import pixels_from_parameters, transform_from_parameters
 from images import CAT, cat
 from server.triton import TritonServer
-from support import SMALL, build, reference_logits, relative_error
+from support import SMALL, build, reference_logits, reference_model, relative_error
 
 IMAGENET = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -158,6 +158,61 @@ def test_runner_refuses_uint8_parts_when_the_config_records_no_mean_and_std():
     runner = BatchRunner(torch.nn.Flatten(), torch.device("cpu"), (3, 4, 4))
     with pytest.raises(ValueError, match="mean and std"):
         runner.run([torch.zeros((1, 3, 4, 4), dtype=torch.uint8)])
+
+
+class _Flat:
+    """An engine as OpenVINO's and onnxruntime's: NumPy rows in (host), torch rows in (call), rows flattened."""
+
+    def host(self, batch):
+        return batch.reshape(batch.shape[0], -1)
+
+    def __call__(self, batch):
+        return batch.reshape(batch.shape[0], -1)
+
+
+def test_host_runner_gives_the_batch_runners_rows_bit_for_bit_when_parts_are_compact_or_mixed():
+    """The CPU stubs of OpenVINO and onnxruntime models gather rows with NumPy (HostRunner, no torch in the stub):
+    the same float32 arithmetic as BatchRunner's, so the same bits."""
+    from backends.classifier import HostRunner
+
+    rng = np.random.default_rng(0)
+    u8 = rng.integers(0, 256, (5, 3, 4, 4), dtype=np.uint8)
+    f16 = rng.standard_normal((2, 3, 4, 4)).astype(np.float16)
+    f32 = rng.standard_normal((3, 3, 4, 4)).astype(np.float32)
+    runner = BatchRunner(_Flat(), torch.device("cpu"), (3, 4, 4), channels_last=False, mean_std=IMAGENET)
+    host = HostRunner(_Flat(), (3, 4, 4), IMAGENET)
+    for parts in ([u8], [f16, u8, f32], [f32], [f32, f32[:1]]):
+        rows = host.run(parts)
+        assert rows.dtype == np.float32
+        assert np.array_equal(rows, runner.run([torch.from_numpy(part) for part in parts]).numpy())
+    with pytest.raises(ValueError, match="mean and std"):
+        HostRunner(_Flat(), (3, 4, 4)).run([u8])
+
+
+def test_cpu_openvino_classifier_answers_without_importing_torch_when_loaded_as_triton_does(repository, tmp_path):
+    """Its version folder on sys.path and its model.py imported, as python_backend's stub does: the host path
+    loads the engine and answers torch's logits without torch ever imported (~3 s of CPU less per stub start)."""
+    import json
+    import subprocess
+    import sys
+
+    version = repository / SMALL / "1"
+    params = parameters(read_config(repository / SMALL))
+    assert params["engine"] == "openvino"
+    code = ("import json, sys; import numpy as np; sys.path.insert(0, sys.argv[1]); import model; "
+            "params = json.loads(sys.argv[2]); runner = model.build_host_runner(model.Path(sys.argv[1]), params, "
+            "(3, 224, 224), 2); runner.warm_up(); "
+            "rows = runner.run([np.load(sys.argv[3])]); np.save(sys.argv[3], rows); "
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'torchvision': 'torchvision' in sys.modules}))")
+    images = np.random.default_rng(1).standard_normal((2, 3, 224, 224)).astype(np.float32)
+    path = tmp_path / "rows.npy"
+    np.save(path, images)
+    done = subprocess.run([sys.executable, "-c", code, str(version), json.dumps(params), str(path)],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"torch": False, "torchvision": False}
+    rows = np.load(path)
+    assert relative_error(rows, reference_logits(reference_model(), images)) < 1e-4
 
 
 def test_mean_std_reads_the_config_parameters_when_present():
