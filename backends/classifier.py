@@ -19,27 +19,18 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from precision import check, check_native, served
     from stage_clock import StageClock, StageFiles
     from triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
-                           instance_device, model_parameters, on_host)
+                           Host, instance_device, model_parameters, on_host)
 except ImportError:
     from backends.engines import cpu_bf16, cpu_threads, load_engine
     from backends.stage_clock import StageClock, StageFiles
     from backends.triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
-                                    instance_device, model_parameters, on_host)
+                                    Host, instance_device, model_parameters, on_host)
     from common.contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
     from common.precision import check, check_native, served
 
 DTYPES = {"FP32": "float32", "FP16": "float16", "UINT8": "uint8"}  # Triton's names -> NumPy's and torch's
 # The engines that take NumPy batches on the CPU: there the stub never imports torch (the host path, HostRunner).
 HOST_ENGINES = ("openvino", "onnxruntime")
-
-
-class Host:
-    """torch.device("cpu") as the host path reads it (its type; "cpu" in words), without importing torch."""
-
-    type, index = "cpu", None
-
-    def __str__(self) -> str:
-        return "cpu"
 
 
 class TritonPythonModel:

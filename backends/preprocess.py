@@ -2,15 +2,15 @@
 
 build-repo copies this file to <repository>/<model>_preprocess/1/model.py and its helpers beside it
 (decoding, triton_io, and common/contract.py, common/transforms.py).
-On a GPU instance JPEGs are decoded there (nvJPEG, batched) and IMAGE is returned in GPU memory.
+On a GPU instance JPEGs are decoded there (nvJPEG, batched) and IMAGE is returned in GPU memory. On a CPU instance
+(the host path) PIL decodes and NumPy carries the pixels: the stub imports no torch (~2 s of CPU less per start).
 """
 from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-from torch.utils.dlpack import to_dlpack
+import numpy as np
 try:
     import triton_python_backend_utils as pb_utils
 except ImportError:  # imported outside Triton, e.g. by tests and perf to run the same preprocessing
@@ -20,16 +20,19 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
     from stage_clock import StageClock
     from transforms import pixels_from_parameters, transform_from_parameters
-    from triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
-                           honor_faulthandler, instance_device, model_parameters)
+    from triton_io import (Host, LazyTorch, device_fault, encoded_elements, error_response, exit_soon, first_line,
+                           honor_faulthandler, instance_device, model_parameters, on_host)
 except ImportError:
     from backends.stage_clock import StageClock
     from common.decoding import ImageError, apply_max_pixels, decode, detached, tensor_decodable, tensor_pixels
-    from backends.triton_io import (device_fault, encoded_elements, error_response, exit_soon, first_line,
-                                    honor_faulthandler, instance_device, model_parameters)
+    from backends.triton_io import (Host, LazyTorch, device_fault, encoded_elements, error_response, exit_soon,
+                                    first_line, honor_faulthandler, instance_device, model_parameters, on_host)
     from common.contract import DECODE_DEVICE, IMAGE_BYTES
     from common.transforms import pixels_from_parameters, transform_from_parameters
 
+torch = LazyTorch()  # imported where a path needs it: the host path never does
+# Triton's output types -> NumPy's and torch's dtype names
+OUTPUT_DTYPES = {"TYPE_FP32": "float32", "TYPE_FP16": "float16", "TYPE_UINT8": "uint8"}
 # nvJPEG holds a whole batch's pixels at once (64 x 50 MP x 3 B = 9.6 GB): decode in chunks under this.
 DEFAULT_GPU_DECODE_BUDGET_MB = 1024
 
@@ -41,7 +44,9 @@ class TritonPythonModel:
         params = model_parameters(config)
         self.batched = int(config.get("max_batch_size", 0)) > 0
         threads = int(params.get("num_threads", "0") or 0)
-        device = instance_device(args)
+        # The host path: a CPU instance whose config records its transform (every build since crop_size was).
+        self.host = on_host(args) and "crop_size" in params
+        device = Host() if self.host else instance_device(args)
         if device.type == "cuda":
             threads = threads or 4  # PIL fallbacks only; torch's one-per-core default oversubscribes
         else:
@@ -49,17 +54,18 @@ class TritonPythonModel:
             # on the cores the classifier's engine is using. ResNet-18 image path on 2 cores, OpenVINO:
             # c=1 40 -> 47 img/s, c=8 50 -> 62 (perf/results/README.md, CPU engines).
             threads = threads or 1
-        torch.set_num_threads(threads)
+        if not self.host:
+            torch.set_num_threads(threads)
         # What the classifier takes (build-repo's --input-dtype): IMAGE normalized, IMAGE_FP16 the same in half
         # the bytes, or IMAGE_UINT8, the pixels before normalizing (the classifier normalizes them).
         output = config["output"][0]
         self.output_name = output["name"]
-        self.output_dtype = {"TYPE_FP32": torch.float32, "TYPE_FP16": torch.float16,
-                             "TYPE_UINT8": torch.uint8}[output["data_type"]]
+        self.output_dtype = OUTPUT_DTYPES[output["data_type"]]
         # Built once: the preprocessing build-repo recorded (the weights' own transforms() for torchvision).
-        transform = (pixels_from_parameters if self.output_dtype == torch.uint8 else transform_from_parameters)(params)
+        made = pixels_from_parameters if self.output_dtype == "uint8" else transform_from_parameters
+        transform = made(params, tensors=not self.host)
         on_device = device.type == "cuda" and params.get("decode_device", DECODE_DEVICE["ensemble"]) == "gpu"
-        self.preprocess = preprocessor_for(params, transform, device, tensor_decode=on_device)
+        self.preprocess = preprocessor_for(params, transform, device, tensor_decode=on_device, host=self.host)
         self.gpu_output = params.get("output_device", "gpu") == "gpu"
 
     def execute(self, requests):
@@ -70,26 +76,32 @@ class TritonPythonModel:
         return responses
 
     def _response(self, images: list):
+        if self.host:  # NumPy rows: the same casts as torch's below, the same bits
+            batch = np.stack(images) if self.batched else images[0]
+            batch = np.ascontiguousarray(batch, dtype=self.output_dtype)
+            return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(self.output_name, batch)])
         batch = torch.stack(images) if self.batched else images[0]
-        if batch.dtype != self.output_dtype:  # fp16: normalized floats, halved for the hop
-            batch = batch.to(self.output_dtype)
+        if batch.dtype != getattr(torch, self.output_dtype):  # fp16: normalized floats, halved for the hop
+            batch = batch.to(getattr(torch, self.output_dtype))
         if batch.device.type == "cuda" and not self.gpu_output:
             batch = batch.cpu()
         if batch.device.type == "cuda":  # stays on the GPU for the classifier (Triton's CUDA pool)
             # python_backend copies it on a stream of its own: the stack and cast queued on ours must be done.
             torch.cuda.current_stream(batch.device).synchronize()
+            from torch.utils.dlpack import to_dlpack
+
             return pb_utils.InferenceResponse(
                 output_tensors=[pb_utils.Tensor.from_dlpack(self.output_name, to_dlpack(batch))])
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(self.output_name, batch.numpy())])
 
 
 def preprocessor_for(params: dict[str, str], transform, device: torch.device, tensor_decode: bool,
-                     workers: int = 1) -> "Preprocessor":
+                     workers: int = 1, host: bool = False) -> "Preprocessor":
     """The Preprocessor a model's config parameters ask for (NAME_preprocess and the fused model alike); also
     sets PIL's process-wide pixel bound from `max_pixels`, so every model that decodes refuses the same bombs."""
     apply_max_pixels(params)
     budget_mb = float(params.get("gpu_decode_budget_mb", "") or DEFAULT_GPU_DECODE_BUDGET_MB)
-    return Preprocessor(transform, device, tensor_decode, workers, decode_budget=int(budget_mb * 2**20))
+    return Preprocessor(transform, device, tensor_decode, workers, decode_budget=int(budget_mb * 2**20), host=host)
 
 
 def decode_chunks(pixels: list[int], budget: int) -> list[list[int]]:
@@ -147,12 +159,13 @@ class Preprocessor:
     torchvision's decode_jpeg on `device` (nvJPEG on a GPU), in chunks of at most `decode_budget` bytes of
     decoded pixels (by their headers' sizes), and transformed there, one transform call per group of
     same-size images (one resize kernel for a group instead of one per image); everything else, and
-    any JPEG that decoder refuses, takes the PIL path, whose errors name the problem.
+    any JPEG that decoder refuses, takes the PIL path, whose errors name the problem. With `host` (a CPU instance
+    whose transform gives NumPy) the PIL path's arrays are returned as they are, and torch is never imported.
     """
 
     def __init__(self, transform, device: torch.device, tensor_decode: bool, workers: int = 1,
-                 decode_budget: int = DEFAULT_GPU_DECODE_BUDGET_MB * 2**20):
-        self.transform, self.device, self.tensor_decode = transform, device, tensor_decode
+                 decode_budget: int = DEFAULT_GPU_DECODE_BUDGET_MB * 2**20, host: bool = False):
+        self.transform, self.device, self.tensor_decode, self.host = transform, device, tensor_decode, host
         if tensor_decode:  # torchvision, loaded before any request, only where its decoder runs
             getattr(transform, "torchvision", lambda: None)()  # the transform of the decoder's tensors
         self.decode_budget = decode_budget  # bytes of decoded RGB pixels per batched decode_jpeg call
@@ -253,5 +266,7 @@ class Preprocessor:
 
     def _pil(self, data: bytes) -> torch.Tensor:
         image = decode(data)
+        if self.host:
+            return self.transform(image)
         with torch.inference_mode():
             return self.transform(image).to(self.device, non_blocking=True)

@@ -46,6 +46,24 @@ def honor_faulthandler() -> None:
 STUB_VISIBLE_DEVICES = "CLASSIFIER_STUB_CUDA_VISIBLE_DEVICES"
 
 
+class Host:
+    """torch.device("cpu") as the host paths read it (its type; "cpu" in words), without importing torch."""
+
+    type, index = "cpu", None
+
+    def __str__(self) -> str:
+        return "cpu"
+
+
+class LazyTorch:
+    """The torch module, imported at the first attribute read: a stub on a host path never reads one."""
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch, name)
+
+
 def on_host(args: dict) -> bool:
     """This instance runs on the CPU (instance_device would say cpu), told without importing torch."""
     return args.get("model_instance_kind") != "GPU" and \

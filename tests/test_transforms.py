@@ -72,3 +72,22 @@ def test_the_preprocessing_stubs_start_without_importing_torchvision_when_on_cpu
             "print('torchvision' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_host_transform_gives_the_tensor_transforms_values_as_numpy_without_importing_torch(normalize):
+    """A CPU NAME_preprocess stub's host path: the same steps on NumPy (tensors=False), the same bits as the tensors
+    the fused model and the clients get, and its modules import no torch at all."""
+    params = {"crop_size": "224", "resize_size": "256", "mean": "0.485,0.456,0.406", "std": "0.229,0.224,0.225"}
+    made = transform_from_parameters if normalize else pixels_from_parameters
+    for size in ((320, 240), (240, 320), (257, 256)):
+        image = _photo(size)
+        host, tensor = made(params, tensors=False)(image), made(params)(image)
+        assert isinstance(host, np.ndarray) and isinstance(tensor, torch.Tensor)
+        assert host.dtype == (np.float32 if normalize else np.uint8) and np.array_equal(host, tensor.numpy())
+    code = ("import sys; import backends.preprocess; "
+            "from common.transforms import transform_from_parameters as t; from PIL import Image; "
+            f"t({params!r}, tensors=False)(Image.new('RGB', (300, 300))); "
+            "print('torch' in sys.modules, 'torchvision' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "False"], done.stderr
