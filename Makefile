@@ -40,10 +40,9 @@ demo: setup
 	$(BIN)/python -m clients.demo
 
 # TEST_WORKERS=N (N > 0): each test file on one of N pytest-xdist workers (--dist loadfile), then the files marked
-# serial, alone. 3 by default on the 2-core machine: the tests wait (servers, TorchServe's Java side, builds) as well
-# as compute, and since the CPU stubs stopped importing torch two workers left a third of a core idle (see
-# docs/contributing.md); TEST_WORKERS=0 runs everything in one process, in pytest's order.
-TEST_WORKERS ?= 3
+# serial, alone. 2 by default on the 2-core machine (3 kept both cores busy and went slower: at 20 min it had done a
+# fifth of the tests; see docs/contributing.md); TEST_WORKERS=0 runs everything in one process, in pytest's order.
+TEST_WORKERS ?= 2
 test: setup
 ifeq ($(TEST_WORKERS),0)
 	$(BIN)/python -m pytest -q
