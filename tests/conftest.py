@@ -18,10 +18,6 @@ from support import LARGE, SMALL, build, reference_model
 def pytest_configure(config):
     """Under pytest-xdist, each worker's own temporary folder (TMPDIR, for its subprocesses too): tools that stage in
     $TMPDIR/NAME (torch-model-archiver: $TMPDIR/MODEL_NAME) must not meet another worker's run of the same name."""
-    # xdist (3.6+) would hand out the files by their number of tests, most first (--loadscope-reorder, its default):
-    # LONGEST_FIRST's order would be lost, and the longest file, with two tests, started last (21 min into a run).
-    if getattr(config.option, "loadscopereorder", None):
-        config.option.loadscopereorder = False
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         own = tempfile.mkdtemp(prefix=f"xd-{worker}-")
@@ -31,13 +27,12 @@ def pytest_configure(config):
         config.add_cleanup(lambda: shutil.rmtree(own, ignore_errors=True))
 
 
-# The longest files (wall seconds with 2 workers, 2-core machine, 2026-11-29: 281, 242, 222, 166, 146, 136, 124, 116,
-# 110, 91, 86, 86, 83, 73), started first under pytest-xdist: each file runs whole on one worker (--dist loadfile), so
-# a long one left to the end runs alone while the other workers idle. The default serial run keeps pytest's order.
-LONGEST_FIRST = ("test_torchserve_api.py", "test_gpu_round.py", "test_torchserve_parity.py", "test_torchserve_grpc.py",
-                 "test_torchserve_examples.py", "test_migrate.py", "test_torchserve_snapshots.py",
-                 "test_torchserve_trust.py", "test_cpu_image.py", "test_proxy.py", "test_torchserve_explain.py",
-                 "test_handler.py", "test_build_repo.py", "test_supervisor.py")
+# The longest files (wall seconds with 2 workers, 2-core machine, 2026-11-28), started first under pytest-xdist: each
+# file runs whole on one worker (--dist loadfile), so a long one left to the end runs alone while the other worker
+# idles. The default serial run keeps pytest's order.
+LONGEST_FIRST = ("test_torchserve_api.py", "test_torchserve_parity.py", "test_gpu_round.py", "test_migrate.py",
+                 "test_proxy.py", "test_torchserve_snapshots.py", "test_cpu_image.py", "test_torchserve_grpc.py",
+                 "test_torchserve_examples.py", "test_torchserve_trust.py", "test_torchserve_explain.py")
 
 
 def pytest_collection_modifyitems(config, items):
