@@ -19,15 +19,16 @@ try:  # in Triton: the helpers sit beside this file in the version folder, which
     from precision import check, check_native, served
     from stage_clock import StageClock, StageFiles
     from triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
-                           Host, instance_device, model_parameters, on_host)
+                           Host, LazyTorch, instance_device, model_parameters, on_host)
 except ImportError:
     from backends.engines import cpu_bf16, cpu_threads, load_engine
     from backends.stage_clock import StageClock, StageFiles
     from backends.triton_io import (device_fault, error_response, exit_soon, first_line, honor_faulthandler,
-                                    Host, instance_device, model_parameters, on_host)
+                                    Host, LazyTorch, instance_device, model_parameters, on_host)
     from common.contract import IMAGE_INPUTS, LOGITS, mean_std, parse_buckets
     from common.precision import check, check_native, served
 
+torch = LazyTorch()  # imported where a path needs it: the host path never does
 DTYPES = {"FP32": "float32", "FP16": "float16", "UINT8": "uint8"}  # Triton's names -> NumPy's and torch's
 # The engines that take NumPy batches on the CPU: there the stub never imports torch (the host path, HostRunner).
 HOST_ENGINES = ("openvino", "onnxruntime")
@@ -60,8 +61,6 @@ class TritonPythonModel:
         if host:
             self.runner = build_host_runner(version, params, self.sample_shape, threads)
         else:
-            import torch
-
             # OpenVINO runs its own threads; torch here only gathers the requests' rows.
             torch.set_num_threads(1 if self.engine_name == "openvino" else threads)
             self.runner = build_runner(version, params, self.device, max(max_batch, 1), self.sample_shape, threads)
@@ -118,9 +117,8 @@ class TritonPythonModel:
         # step); the runner stages CPU rows once per batch.
         # The host path keeps NumPy's view (a GPU input, from CUDA shared memory, is copied to the host).
         if isinstance(self.device, Host):
-            image = tensor.as_numpy() if tensor.is_cpu() else _torch().from_dlpack(tensor.to_dlpack()).cpu().numpy()
+            image = tensor.as_numpy() if tensor.is_cpu() else torch.from_dlpack(tensor.to_dlpack()).cpu().numpy()
         else:
-            torch = _torch()
             image = torch.from_numpy(tensor.as_numpy()) if tensor.is_cpu() else torch.from_dlpack(tensor.to_dlpack())
         if not self.batched:
             image = image[None]
@@ -159,7 +157,6 @@ class TritonPythonModel:
 def build_runner(version_dir: Path, params: dict, device: torch.device, max_batch: int,
                  sample_shape: tuple[int, ...], threads: int = 0) -> BatchRunner:
     """The engine the config names, wrapped in the batch runner with the config's speed options."""
-    import torch
     try:
         from batch_runner import PRECISIONS, BatchRunner
     except ImportError:
@@ -205,6 +202,8 @@ class HostRunner:
 
     def __init__(self, engine, sample_shape: tuple[int, ...], mean_std: tuple[list[float], list[float]] | None = None):
         self.engine, self.sample_shape, self.mean_std = engine, tuple(sample_shape), mean_std
+        self._stats = None if mean_std is None else \
+            tuple(np.asarray(values, dtype=np.float32).reshape(-1, 1, 1) for values in mean_std)
         self.clock = StageClock()  # the model's measurement mode replaces it (stage_timing=1); off: no-ops
 
     def warm_up(self) -> None:
@@ -229,18 +228,12 @@ class HostRunner:
         if part.dtype != np.uint8:
             out[...] = part
             return
-        if self.mean_std is None:
+        if self._stats is None:
             raise ValueError("uint8 images need the config's mean and std, which this model records none of")
-        mean, std = (np.asarray(values, dtype=np.float32).reshape(-1, 1, 1) for values in self.mean_std)
+        mean, std = self._stats
         np.divide(part, np.float32(255), out=out, dtype=np.float32)
         out -= mean
         out /= std
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 def cpu_instances(config: dict) -> int:
