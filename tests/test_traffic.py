@@ -16,7 +16,8 @@ from drills import traffic
 from drills.faults import image
 from support import SMALL, reference_logits
 
-# Each drill measures its recovery in a window of seconds: run alone (`make test` runs serial files after the rest).
+# Each drill waits on windows of seconds (~0.4 of a core): `make test` runs the serial files in a pytest of their own,
+# beside the xdist workers, not on one of them (a worker would idle through its minutes of waiting).
 pytestmark = pytest.mark.serial
 
 
