@@ -14,10 +14,9 @@ import tempfile
 from pathlib import Path
 
 from builder import config as cfg
-from builder import handler_model, mar, sources
-from builder.plan import check_source, make_plan, precision_note
-from builder.repository import ENGINES, BuildError, InterruptedAfterSwap, build, check_free, check_writable
-from builder.weights import IMAGENET, WEIGHT_CHOICES, WeightsError
+from builder import mar
+from builder.options import ENGINES, IMAGENET, WEIGHT_CHOICES, WeightsError
+from builder.staging import BuildError, InterruptedAfterSwap, check_writable
 from common import names
 from common import precision as precisions
 from common.build_result import BuiltModel, BuildResult
@@ -257,6 +256,11 @@ def _roles(name: str) -> dict[str, str]:
 
 
 def _main(args, workdir: Path, out: dict) -> int:
+    # Imported once the arguments are read: torch and torchvision (~7 s of CPU), which a bad argument never needs.
+    from builder import handler_model, sources
+    from builder.plan import check_source, make_plan, precision_note
+    from builder.repository import build, check_free
+
     archive = None
     try:
         check_source(args)  # before reading an archive
@@ -289,6 +293,8 @@ def _main(args, workdir: Path, out: dict) -> int:
 
 def _handler_model(args, out: dict) -> int:
     """--from-mar for an archive served with its own handler (builder/handler_model.py)."""
+    from builder import handler_model
+
     try:
         configs = handler_model.build(args)
         _written(out, args.output, configs, {path.parent.name: "handler" for path in configs})

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 import torchvision
 
-from builder.weights import (Classifier, ModelCode, Preprocessing, WeightsError, classification_models,
-                             torchvision_module)
+from builder.options import Preprocessing, WeightsError
+from builder.weights import Classifier, ModelCode, classification_models, torchvision_module
 from common.archive import ArchiveError, label_mapping
 from common.messages import first_line
 

@@ -6,11 +6,11 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from builder.weights import WeightsError
+from builder.options import WeightsError
 from common import archive as archives
 from common.archive import MANIFEST
 
-# TorchServe's built-in handler whose preprocessing we reproduce exactly (builder.weights.IMAGENET).
+# TorchServe's built-in handler whose preprocessing we reproduce exactly (builder.options.IMAGENET).
 IMAGE_CLASSIFIER = ("image_classifier", "ts.torch_handler.image_classifier")
 # What a migration extracts, in all (the weights dominate: ResNet-152 is 0.24 GB, ViT-H/14 2.5 GB); more
 # is refused before a byte is written. `build-repo --max-archive-gb` changes it.

@@ -11,7 +11,8 @@ from pathlib import Path
 from builder import config as cfg
 from builder.mar import Archive
 from builder.repository import Options
-from builder.weights import IMAGENET, WEIGHT_CHOICES, Preprocessing, classification_models
+from builder.options import IMAGENET, WEIGHT_CHOICES, Preprocessing
+from builder.weights import classification_models
 from common import precision as precisions
 from common.contract import DECODE_DEVICE, IMAGE, buckets_for, parse_buckets
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from builder.weights import Preprocessing
+from builder.options import Preprocessing
 from common.contract import IMAGE as INPUT
 from common.cpu import cpu_int8_dot
 from common.transforms import transform_from_parameters

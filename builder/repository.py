@@ -37,7 +37,6 @@ FUSED_FILES = {**CLASSIFIER_FILES, **PREPROCESS_FILES, "model.py": "backends/fus
 # model.py the tensor names from contract.py.
 HANDLER_FILES = {"model.py": "backends/handler.py", "ts_worker.py": "backends/ts_worker.py",
                  "ts_engine.py": "backends/ts_engine.py", "contract.py": "common/contract.py"}
-ENGINES = ("torch", "torchscript", "onnxruntime", "openvino")
 CODE_DIR = "model_code"  # the user's model file in the version folder (engine torch)
 ENGINE_ARTIFACT = {"torchscript": "torchscript", "onnxruntime": "onnx", "openvino": "onnx"}  # engine -> its export
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from builder import custom, mar
 from builder.plan import Plan
-from builder.weights import Classifier, ModelCode, WeightsError, is_torchscript, load_classifier, read_state_dict
+from builder.options import WeightsError
+from builder.weights import Classifier, ModelCode, is_torchscript, load_classifier, read_state_dict
 
 
 def load(plan: Plan, archive: mar.Archive | None = None) -> Classifier:

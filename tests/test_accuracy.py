@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 from builder import accuracy
 from builder.export import export_onnx, run_onnx
 from builder.quantize import QuantizeError, calibration_batches, calibration_files, preprocess, quantize_int8
-from builder.weights import IMAGENET, Preprocessing
+from builder.options import IMAGENET, Preprocessing
 from images import CAT, bad_images
 from support import reference_model
 

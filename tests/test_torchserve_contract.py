@@ -90,7 +90,7 @@ def test_build_repo_and_the_front_read_an_archives_labels_by_torchserves_one_rul
     from ts.utils.util import load_label_mapping
 
     from builder.custom import load_labels
-    from builder.weights import WeightsError
+    from builder.options import WeightsError
     from common.archive import ArchiveError, label_mapping
     from server.torchserve.archives import inspect
 
