@@ -39,24 +39,16 @@ $(VENV)/.installed: pyproject.toml tools/install_perf_analyzer.sh tools/install_
 demo: setup
 	$(BIN)/python -m clients.demo
 
-# TEST_WORKERS=N (N > 0): each test file on one of N pytest-xdist workers (--dist loadfile), and beside them, in a
-# pytest of its own, the files marked serial (the traffic drills: minutes of waiting on windows of seconds, ~0.4 of a
-# core), whose report follows the others'. 2 workers by default on the 2-core machine (3 kept both cores busy and went
-# slower: at 20 min it had done a fifth of the tests; see docs/contributing.md); TEST_WORKERS=0 runs everything in one
-# process, in pytest's order.
+# TEST_WORKERS=N (N > 0): each test file on one of N pytest-xdist workers (--dist loadfile), then the files marked
+# serial, alone. 2 by default on the 2-core machine (3 kept both cores busy and went slower: at 20 min it had done a
+# fifth of the tests; see docs/contributing.md); TEST_WORKERS=0 runs everything in one process, in pytest's order.
 TEST_WORKERS ?= 2
 test: setup
 ifeq ($(TEST_WORKERS),0)
 	$(BIN)/python -m pytest -q
 else
-	@drills=$$(mktemp); \
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m serial > $$drills 2>&1 & serial=$$!; \
-	trap 'kill $$serial 2>/dev/null' INT TERM; \
-	echo "$(BIN)/python -m pytest -q -m serial > $$drills (beside the next)"; \
-	echo "$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m \"not serial\""; \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"; rest=$$?; \
-	wait $$serial; drilled=$$?; echo "--- the serial files (pytest -m serial, run beside):"; cat $$drills; \
-	rm -f $$drills; test $$rest -eq 0 && test $$drilled -eq 0
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 endif
 
 # Strict: any warning (a broken reference, a page missing from the toctree) fails the build.
