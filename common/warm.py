@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
@@ -96,6 +97,13 @@ def serve(name: str) -> int:
     return 0
 
 
+@dataclass
+class _Run:
+    process: subprocess.Popen  # the warm process it was sent to
+    done: threading.Event = field(default_factory=threading.Event)
+    status: int | None = None
+
+
 class Warm:
     """`python -m MODULE` runs forked from a warm process (see the module's docstring); thread-safe."""
 
@@ -103,7 +111,7 @@ class Warm:
         self.module, self.idle_s, self.env, self.python = module, idle_s, env, python
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
-        self._waiting: dict[int, list] = {}  # id -> [Event, [status], the warm process it was sent to]
+        self._waiting: dict[int, _Run] = {}
         self._next = 0
         self._idle: threading.Timer | None = None
 
@@ -112,28 +120,26 @@ class Warm:
             out, err = Path(folder, "stdout"), Path(folder, "stderr")
             out.touch(mode=0o600)
             err.touch(mode=0o600)
-            done, slot = threading.Event(), [None]
             with self._lock:
                 if self._idle is not None:
                     self._idle.cancel()
                 process = self._started()
                 self._next += 1
                 run_id = self._next
-                self._waiting[run_id] = [done, slot, process]
+                run = self._waiting[run_id] = _Run(process)
                 request = {"id": run_id, "argv": list(map(str, argv)), "stdout": str(out), "stderr": str(err)}
                 try:
                     process.stdin.write(json.dumps(request) + "\n")
                     process.stdin.flush()
                 except OSError:  # died meanwhile: the reader ends this run with LOST
                     pass
-            done.wait()
-            status = slot[0]
+            run.done.wait()
             with self._lock:
                 if not self._waiting and self._process is not None:
                     self._idle = threading.Timer(self.idle_s, self._stop_if_idle, args=(self._process,))
                     self._idle.daemon = True
                     self._idle.start()
-            return subprocess.CompletedProcess([self.python, "-m", self.module, *argv], status,
+            return subprocess.CompletedProcess([self.python, "-m", self.module, *argv], run.status,
                                                out.read_text(errors="replace"), err.read_text(errors="replace"))
 
     def _started(self) -> subprocess.Popen:
@@ -156,7 +162,7 @@ class Warm:
                 self._finish(ended["id"], int(ended["status"]))
         process.wait()
         with self._lock:  # died (or stopped idle): its runs in flight were lost with it
-            lost = [run_id for run_id, (_, _, sent_to) in self._waiting.items() if sent_to is process]
+            lost = [run_id for run_id, run in self._waiting.items() if run.process is process]
             if self._process is process:
                 self._process = None
         for run_id in lost:
@@ -164,10 +170,10 @@ class Warm:
 
     def _finish(self, run_id: int, status: int) -> None:
         with self._lock:
-            waiting = self._waiting.pop(run_id, None)
-        if waiting is not None:
-            waiting[1][0] = status
-            waiting[0].set()
+            run = self._waiting.pop(run_id, None)
+        if run is not None:
+            run.status = status
+            run.done.set()
 
     def _stop_if_idle(self, process: subprocess.Popen) -> None:
         with self._lock:
