@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a stub that dies with a batch in flight leaves an instance Triton 2.51 never frees "
                         "(its threads and ~5-10 MB of /dev/shm); past this many, tritonserver is restarted "
                         "(drained) to free them; 0: never. Default: 4.")
+    p.add_argument("--unfreed-grace-s", metavar="S", type=float, default=30,
+                   help="how long a dead stub may stay unreaped (Triton may still free its instance) before it "
+                        "counts towards --max-unfreed-instances. Default: 30.")
     p.add_argument("--log-file", metavar="FILE", type=Path,
                    help="tritonserver's log; the proxy's goes to FILE.haproxy.log. Default: a temporary file "
                         "(removed after a clean stop, kept after a failure); the proxy's is "
@@ -94,9 +97,9 @@ def parser() -> argparse.ArgumentParser:
     ts = p.add_argument_group(
         "TorchServe's API (instead of --repository: start as torchserve starts)",
         "Of the options above, --log-file, --stub-python, --timeout, --canary, --drain-seconds, --max-restarts,\n"
-        "--max-unfreed-instances and tritonserver's flags after -- apply here too; the others (Triton's own API,\n"
-        "the proxy's) are refused in one line naming what does their job. The options below need --model-store\n"
-        "or --torchserve-config.")
+        "--max-unfreed-instances, --unfreed-grace-s and tritonserver's flags after -- apply here too; the others\n"
+        "(Triton's own API, the proxy's) are refused in one line naming what does their job. The options below\n"
+        "need --model-store or --torchserve-config.")
     ts.add_argument("--torchserve-config", "--ts-config", metavar="FILE", type=Path,
                     help="TorchServe's config.properties: its inference, management and metrics addresses, gRPC "
                          "ports, "
@@ -152,8 +155,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    if min(args.drain_seconds, args.max_restarts, args.max_unfreed_instances) < 0:
-        p.error("--drain-seconds, --max-restarts and --max-unfreed-instances must be >= 0")
+    if min(args.drain_seconds, args.max_restarts, args.max_unfreed_instances, args.unfreed_grace_s) < 0:
+        p.error("--drain-seconds, --max-restarts, --max-unfreed-instances and --unfreed-grace-s must be >= 0")
     if args.max_in_flight is not None and args.max_in_flight < 1 or args.queue_ms < 1:
         p.error("--max-in-flight and --queue-ms must be >= 1")
     extra = args.triton_args[1:] if args.triton_args[:1] == ["--"] else args.triton_args
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
               f"metrics http://{args.host}:{args.metrics_port}/metrics  log {server.log_file}", flush=True)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout,
                             log=lambda line: print(line, flush=True), max_unfreed=args.max_unfreed_instances,
-                            proxy=proxy, canary=args.canary == "on")
+                            unfreed_grace=args.unfreed_grace_s, proxy=proxy, canary=args.canary == "on")
     status = supervisor.run(stop)
     if status:
         if proxy is not None:

@@ -135,7 +135,7 @@ def test_the_flags_torchserve_mode_honours_reach_tritonserver_the_supervisor_and
     status = cli.main(["--torchserve-config", str(config), "--log-file", str(tmp_path / "triton.log"),
                        "--stub-python", "/opt/py/bin/python3", "--timeout", "7", "--canary", "off",
                        "--drain-seconds", "3", "--max-restarts", "2", "--max-unfreed-instances", "1",
-                       "--precision", "fp32", "--engine", "torch", "--handler-path", "--proxy", "off",
+                       "--unfreed-grace-s", "4", "--precision", "fp32", "--engine", "torch", "--handler-path", "--proxy", "off",
                        "--trust-model-code", "--", "--log-verbose=1"])
     out = capsys.readouterr().out
     assert status == 0, out
@@ -144,8 +144,8 @@ def test_the_flags_torchserve_mode_honours_reach_tritonserver_the_supervisor_and
                               "drain_seconds": 3, "stub_python": run.Path("/opt/py/bin/python3")}
     assert server.timeouts == [7]
     (supervisor,) = FakeSupervisor.made
-    assert {k: supervisor[k] for k in ("max_restarts", "start_timeout", "max_unfreed", "canary")} == \
-        {"max_restarts": 2, "start_timeout": 7, "max_unfreed": 1, "canary": False}
+    assert {k: supervisor[k] for k in ("max_restarts", "start_timeout", "max_unfreed", "unfreed_grace", "canary")} == \
+        {"max_restarts": 2, "start_timeout": 7, "max_unfreed": 1, "unfreed_grace": 4, "canary": False}
     (registry,) = registries
     assert registry.canary is False
     assert registry.build_request.options() == ["--precision", "fp32", "--engine", "torch", "--trust-model-code",

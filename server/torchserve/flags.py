@@ -10,7 +10,7 @@ _PROXY = ("HAProxy's, which fronts Triton's own API (--repository); TorchServe m
 
 # Triton-mode flags with no meaning in TorchServe mode, each with what does that job there. The others apply in
 # both modes and are read by server/torchserve/run.py: --log-file, --stub-python, --timeout, --canary,
-# --drain-seconds, --max-restarts, --max-unfreed-instances and the tritonserver flags after `--`.
+# --drain-seconds, --max-restarts, --max-unfreed-instances, --unfreed-grace-s and the tritonserver flags after `--`.
 TRITON_ONLY = {
     "repository": "in TorchServe mode the archives come from the model store: --model-store DIR or model_store= "
                   "in config.properties",

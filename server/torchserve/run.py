@@ -187,7 +187,8 @@ def serve(args, extra: list[str], stop: threading.Event, log) -> int:
     load_at_startup(registry, config, config.model_store, log)
     tokens = Tokens(Path.cwd() / KEY_FILE if config.token_auth else None)
     supervisor = Supervisor(server, max_restarts=args.max_restarts, start_timeout=args.timeout, log=log,
-                            max_unfreed=args.max_unfreed_instances, canary=args.canary == "on")
+                            max_unfreed=args.max_unfreed_instances, unfreed_grace=args.unfreed_grace_s,
+                            canary=args.canary == "on")
 
     def instances() -> dict[str, int]:
         """Live stubs per model; none for a model whose dead stub is being replaced: its new stub lives before
