@@ -37,9 +37,10 @@ def pytest_configure(config):
 # The longest files (wall seconds with 2 workers, 2-core machine, 2026-11-28), started first under pytest-xdist: each
 # file runs whole on one worker (--dist loadfile), so a long one left to the end runs alone while the other worker
 # idles. The default serial run keeps pytest's order.
-LONGEST_FIRST = ("test_torchserve_api.py", "test_torchserve_parity.py", "test_gpu_round.py", "test_migrate.py",
-                 "test_proxy.py", "test_torchserve_snapshots.py", "test_cpu_image.py", "test_torchserve_grpc.py",
-                 "test_torchserve_examples.py", "test_torchserve_trust.py", "test_torchserve_explain.py")
+LONGEST_FIRST = ("test_torchserve_inference_cases.py", "test_torchserve_api.py", "test_torchserve_parity.py",
+                 "test_gpu_round.py", "test_migrate.py", "test_proxy.py", "test_torchserve_snapshots.py",
+                 "test_cpu_image.py", "test_torchserve_grpc.py", "test_torchserve_examples.py",
+                 "test_torchserve_trust.py", "test_torchserve_explain.py")
 
 
 def pytest_collection_modifyitems(config, items):
