@@ -255,6 +255,12 @@ def _roles(name: str) -> dict[str, str]:
     return names.build_roles(name)
 
 
+def warm() -> None:
+    """Import what a build imports lazily (torch, torchvision, the exporters): common/warm.py's warm process calls
+    this once, so that each build it forks starts with them imported (the TorchServe front's builds)."""
+    from builder import handler_model, plan, repository, sources  # noqa: F401
+
+
 def _main(args, workdir: Path, out: dict) -> int:
     # Imported once the arguments are read: torch and torchvision (~7 s of CPU), which a bad argument never needs.
     from builder import handler_model, sources

@@ -3,8 +3,9 @@ import each time (build-repo spends ~85 % of a small build importing torch and t
 
 `Warm(MODULE).run(argv)` answers as `subprocess.run([python, "-m", MODULE, *argv], capture_output=True, text=True)`
 would -- the exit status (negative: the signal that ended it), stdout and stderr -- from a child forked by a warm
-process (`python -m common.warm MODULE`: imports MODULE once, then forks one child per run, which calls
-`MODULE.main(argv)` with its own stdin, stdout and stderr). Each run starts from the warm process's state as it was
+process (`python -m common.warm MODULE`: imports MODULE once, and calls `MODULE.warm()` where it has one -- what its
+runs import lazily -- then forks one child per run, which calls `MODULE.main(argv)` with its own stdin, stdout and
+stderr; the warm process itself computes nothing: no thread pool of torch's has run when a child is forked). Each run starts from the warm process's state as it was
 after the import, never from an earlier run's; runs may overlap. The warm process is started at the first run and
 stopped after `idle_s` without one (it holds the imported modules' memory: ~700 MB for build-repo); if it dies, the
 runs in flight get status -9 and the next run starts another. The warm process ends when its parent closes the pipe
@@ -70,6 +71,8 @@ def serve(name: str) -> int:
     stdout, stderr), one line on stdout per ended child (id, status); ends at stdin's end once its children have."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the parent's terminal reaches the children, not this
     module = importlib.import_module(name)
+    if callable(getattr(module, "warm", None)):  # what its runs import beyond the module itself (build-repo: torch)
+        module.warm()
     sys.stdout.flush()
     os.write(1, b'{"ready": true}\n')
     children: dict[int, int] = {}
