@@ -281,17 +281,20 @@ class Registry:
         """`model`'s Triton models unloaded once what the front sent on is answered (new requests: 503 or 404)."""
         members, model.members = model.members, []
         self.server.watch(members, False)
-        # What the front already sent on is answered first; then the models one by one, the ensemble first and
-        # each gone before the next, so that no request in flight in one finds the next one unloaded.
+        # What the front already sent on is answered first; then the entry (the ensemble, loaded last: requests enter
+        # there), and once it is gone the models behind it together (~1 s a Python stub takes to end, once, not per
+        # model): no request in flight in the ensemble finds one of them unloaded, and none can reach them after.
         deadline = time.monotonic() + model.response_timeout
         while model.pending and time.monotonic() < deadline:
             time.sleep(0.05)
-        for member in reversed(members):
-            try:
-                self.server.unload(member)
-            except ServerError as exc:
-                self.log(f"unloading {model.name}: {exc}")
-            wait_unloaded(self.server, [member], self.log)
+        for group in (members[-1:], members[:-1]):
+            for member in group:
+                try:
+                    self.server.unload(member)
+                except ServerError as exc:
+                    self.log(f"unloading {model.name}: {exc}")
+            if group:
+                wait_unloaded(self.server, group, self.log)
         remove(self.server, members)
         self.explainers.unload(model)  # its explanations' model too, where one was loaded
 
