@@ -15,10 +15,6 @@ import pytest
 # torch processes on 2 cores; spinning threads took the cores from the ones with work: three processes running
 # resnet18 side by side took 8.6-10.9 s of CPU for 20 batches each, 3.5-4.1 s with PASSIVE (numerics unchanged).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# TorchServe 0.12's frontend, the reference the parity, gRPC, trust and inference-case tests compare with, starts ~20
-# times in the suite: its JVM with the client compiler only and the serial collector is ready in half the CPU (2.3 ->
-# 1.2 s on the Intel Xeon); what it answers is the same. (A JVM names the option once on stderr: its launcher's log.)
-os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 import torch  # noqa: E402
 
