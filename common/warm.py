@@ -5,8 +5,8 @@ import each time (build-repo spends ~85 % of a small build importing torch and t
 would -- the exit status (negative: the signal that ended it), stdout and stderr -- from a child forked by a warm
 process (`python -m common.warm MODULE`: imports MODULE once, and calls `MODULE.warm()` where it has one -- what its
 runs import lazily -- then forks one child per run, which calls `MODULE.main(argv)` with its own stdin, stdout and
-stderr; the warm process itself computes nothing: no thread pool of torch's has run when a child is forked). Each run starts from the warm process's state as it was
-after the import, never from an earlier run's; runs may overlap. The warm process is started at the first run and
+stderr; the warm process itself computes nothing: no thread pool of torch's has run when a child is forked). Each run
+starts from the warm process's state as it was after the import, never from an earlier run's; runs may overlap. The warm process is started at the first run and
 stopped after `idle_s` without one (it holds the imported modules' memory: ~700 MB for build-repo); if it dies, the
 runs in flight get status -9 and the next run starts another. The warm process ends when its parent closes the pipe
 to it (or dies) and its children have ended; a child gets SIGTERM (build-repo's clean interruption) if the warm

@@ -135,8 +135,8 @@ def test_the_flags_torchserve_mode_honours_reach_tritonserver_the_supervisor_and
     status = cli.main(["--torchserve-config", str(config), "--log-file", str(tmp_path / "triton.log"),
                        "--stub-python", "/opt/py/bin/python3", "--timeout", "7", "--canary", "off",
                        "--drain-seconds", "3", "--max-restarts", "2", "--max-unfreed-instances", "1",
-                       "--unfreed-grace-s", "4", "--precision", "fp32", "--engine", "torch", "--handler-path", "--proxy", "off",
-                       "--trust-model-code", "--", "--log-verbose=1"])
+                       "--unfreed-grace-s", "4", "--precision", "fp32", "--engine", "torch", "--handler-path",
+                       "--proxy", "off", "--trust-model-code", "--", "--log-verbose=1"])
     out = capsys.readouterr().out
     assert status == 0, out
     (server,) = FakeServer.made

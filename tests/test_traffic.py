@@ -58,7 +58,8 @@ GRACE_S = 5  # serve-repo's default is 30 s: the same rule, sooner (the test wai
 
 def test_instances_triton_never_frees_are_bounded_by_a_restart(repository, small_model, tmp_path):
     """Two stubs killed under traffic, --max-unfreed-instances 1: once the grace (--unfreed-grace-s 5) has passed,
-    tritonserver holds at most one dead instance it never freed (a restart, drained, freed the rest) and answers again."""
+    tritonserver holds at most one dead instance it never freed (a restart, drained, freed the rest) and answers
+    again."""
     import time
 
     from server.procfs import stubs_of
